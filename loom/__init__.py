@@ -1,0 +1,40 @@
+"""Loom: an LLM inference engine whose requests are live sessions."""
+
+from loom.errors import LoomError
+from loom.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "AsyncLLMEngine",
+    "CompletionOutput",
+    "EngineArgs",
+    "LLMEngine",
+    "LoomError",
+    "RequestOutput",
+    "SamplingParams",
+]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from loom.engine.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from loom.engine.llm_engine import LLMEngine
+
+        return LLMEngine
+    if name == "AsyncLLMEngine":
+        from loom.engine.async_engine import AsyncLLMEngine
+
+        return AsyncLLMEngine
+    if name == "EngineArgs":
+        from loom.engine.config import EngineArgs
+
+        return EngineArgs
+    if name in ("RequestOutput", "CompletionOutput"):
+        from loom.engine import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'loom' has no attribute {name!r}")

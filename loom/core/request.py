@@ -1,0 +1,104 @@
+"""`Request`: a token list plus a computed frontier, and its lifecycle states."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+_arrival_counter = itertools.count()
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request; every status above PREEMPTED is a finished one.
+
+    WAITING -> RUNNING -> FINISHED_*
+                 |  ^
+                 v  |
+        PAUSED (session holds KV, nothing to do) / BLOCKED (waits on children or an
+        event, holds KV) / PREEMPTED (KV dropped, recomputed when scheduled again)
+    """
+
+    WAITING = 0
+    RUNNING = 1
+    PAUSED = 2
+    BLOCKED = 3
+    PREEMPTED = 4
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
+    FINISHED_ERROR = 8
+
+    @property
+    def is_finished(self) -> bool:
+        """True for the terminal statuses."""
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """vLLM's finish_reason string for a terminal status, else None."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """The scheduler's view of one sequence.
+
+        token_ids:  [ prompt ........ | generated / appended ........ ]
+                    [ K/V in cache ...............| uncomputed ........]
+                                                  ^ num_computed_tokens
+
+    Invariant: 0 <= num_computed_tokens <= len(token_ids). The scheduler only ever moves the
+    frontier forward by computing tokens; `truncate` (rewind) and preemption move it back.
+    `sample_when_computed` says whether reaching the end of `token_ids` produces a sampled token
+    (generation) or only stores the last logits (a prefill into a paused session).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int = -1
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    sample_when_computed: bool = True
+    pinned: bool = False
+    arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
+    last_used: float = 0.0
+    # Highest frontier ever reached: tokens recomputed below it are counted as recompute.
+    max_computed_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """All tokens known so far (prompt, generated, appended)."""
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose K/V is not in the cache yet."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request reached a terminal status."""
+        return self.status.is_finished
+
+    def append_tokens(self, token_ids: list[int]) -> None:
+        """Append tokens after all known ones; they become uncomputed."""
+        self.token_ids.extend(token_ids)
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep only the first `num_tokens` tokens; the frontier follows if it was beyond."""
+        del self.token_ids[num_tokens:]
+        self.num_computed_tokens = min(self.num_computed_tokens, num_tokens)
+        self.max_computed_tokens = min(self.max_computed_tokens, num_tokens)

@@ -1,0 +1,210 @@
+"""`Scheduler`: one rule for prefill, chunked prefill, decode, appends and recompute.
+
+Each step every runnable request is offered its uncomputed tokens,
+`num_tokens - num_computed_tokens`, out of a shared token budget: requests with a single
+uncomputed token (decodes) first, then longer ranges (prefills, appended fragments,
+recomputation after preemption), chunked by what is left of the budget. Nothing here knows
+whether tokens came from a prompt, a sampler or a caller's append.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from loom.core.kv_cache_manager import KVCacheManager
+from loom.core.request import Request, RequestStatus
+from loom.core.scheduler_output import ScheduledChunk, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one step and of the KV pool."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    num_kv_blocks: int = 1024
+    block_size: int = 16
+
+
+class Scheduler:
+    """Holds every unfinished request in exactly one place:
+
+    - `waiting`: no blocks; new requests and preempted running ones (FIFO, preempted first)
+    - `running`: hold blocks and have work, or are generating
+    - `idle`: hold blocks (or were preempted while idle) and have nothing to do: paused
+      sessions and blocked parents. They become runnable again through `wake`.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.idle: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}
+        self.num_recomputed_tokens = 0
+        self.num_preemptions = 0
+
+    # ---- membership -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request."""
+        request.status = RequestStatus.WAITING
+        request.last_used = time.monotonic()
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        """True when a step could schedule something."""
+        return bool(self.waiting) or bool(self.running)
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request:
+        """Remove a request wherever it is, free its blocks and set its terminal status."""
+        request = self.requests.pop(request_id)
+        self._detach(request)
+        self.kv.free(request_id)
+        request.status = status
+        return request
+
+    def _detach(self, request: Request) -> None:
+        if self.idle.pop(request.request_id, None) is not None:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def park(self, request: Request, status: RequestStatus) -> None:
+        """Move a request to `idle` (PAUSED or BLOCKED), keeping its blocks."""
+        self._detach(request)
+        request.status = status
+        request.last_used = time.monotonic()
+        self.idle[request.request_id] = request
+
+    def wake(self, request: Request) -> None:
+        """Make an idle request runnable again: it keeps its blocks if it still has them."""
+        if self.idle.pop(request.request_id, None) is None:
+            return
+        request.last_used = time.monotonic()
+        if self.kv.holds_blocks(request.request_id) or request.num_computed_tokens > 0:
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+        else:
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Drop tokens past `num_tokens` and the blocks that no longer hold any of them."""
+        request.truncate(num_tokens)
+        self.kv.truncate(request.request_id, num_tokens)
+
+    # ---- the step -----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's chunks under the token budget, preempting when blocks run out."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+
+        # Decodes (one uncomputed token) first, then longer ranges; order is otherwise stable.
+        queue = sorted(self.running, key=lambda r: r.num_uncomputed_tokens != 1)
+        for request in queue:
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_uncomputed_tokens, budget)
+            if num_new == 0:
+                continue
+            if not self._reserve(request, num_new, scheduled, out):
+                continue  # the request preempted itself
+            out.chunks.append(self._chunk(request, num_new, out))
+            scheduled.add(request.request_id)
+            budget -= num_new
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_uncomputed_tokens, budget)
+            if num_new == 0 or not self._admit(request, request.num_computed_tokens + num_new, out):
+                break  # FIFO: do not let later requests overtake the head
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(self._chunk(request, num_new, out))
+            scheduled.add(request.request_id)
+            budget -= num_new
+
+        out.block_copies = self.kv.take_pending_copies()
+        return out
+
+    def _chunk(self, request: Request, num_new: int, out: SchedulerOutput) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        end = start + num_new
+        out.num_recomputed_tokens += max(0, min(end, request.max_computed_tokens) - start)
+        return ScheduledChunk(
+            request_id=request.request_id,
+            token_ids=request.token_ids[start:end],
+            start_pos=start,
+            block_ids=self.kv.block_ids(request.request_id),
+            needs_logits=end == request.num_tokens,
+        )
+
+    def _reserve(
+        self, request: Request, num_new: int, scheduled: set[str], out: SchedulerOutput
+    ) -> bool:
+        """Allocate blocks for `num_new` more tokens, preempting others until it fits."""
+        total = request.num_computed_tokens + num_new
+        while not self.kv.allocate_slots(request.request_id, total):
+            victim = self._pick_victim(request, scheduled)
+            self._preempt(victim, out)
+            if victim is request:
+                return False
+        return True
+
+    def _admit(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Allocate for a waiting request, evicting idle sessions (never running requests)."""
+        while not self.kv.allocate_slots(request.request_id, num_tokens):
+            victim = self._idle_victim()
+            if victim is None:
+                return False
+            self._preempt(victim, out)
+        return True
+
+    def _idle_victim(self) -> Request | None:
+        """The least recently used unpinned idle request that holds blocks."""
+        idle = [
+            r for r in self.idle.values() if not r.pinned and self.kv.holds_blocks(r.request_id)
+        ]
+        return min(idle, key=lambda r: r.last_used) if idle else None
+
+    def _pick_victim(self, request: Request, scheduled: set[str]) -> Request:
+        """Idle sessions first (least recently used, unpinned), then the newest running one."""
+        idle = self._idle_victim()
+        if idle is not None:
+            return idle
+        candidates = [r for r in self.running if r.request_id not in scheduled]
+        return max(candidates, key=lambda r: r.arrival_order) if candidates else request
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        """Drop the victim's K/V; it recomputes everything when scheduled again."""
+        self.kv.free(victim.request_id)
+        victim.num_computed_tokens = 0
+        self.num_preemptions += 1
+        out.preempted_request_ids.append(victim.request_id)
+        if victim.request_id in self.idle:
+            return  # stays idle (status unchanged); `wake` sends it to `waiting`
+        self.running.remove(victim)
+        victim.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(victim)
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance the frontier of every scheduled request by its chunk length."""
+        self.num_recomputed_tokens += out.num_recomputed_tokens
+        for chunk in out.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None:
+                continue
+            request.num_computed_tokens = chunk.end_pos
+            request.max_computed_tokens = max(request.max_computed_tokens, chunk.end_pos)

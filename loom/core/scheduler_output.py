@@ -1,0 +1,52 @@
+"""What the scheduler hands to the model runner for one engine step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's contiguous range of tokens to compute in this step.
+
+    The chunk covers positions [start_pos, start_pos + len(token_ids)) of the request:
+
+        token_ids of the request:  t0 t1 ... t(start_pos-1) | t(start_pos) ... t(end-1) | (not yet)
+                                   \\____ K/V in cache ____/ \\______ this chunk ______/
+
+    Attention for the chunk reads K/V of positions [0, end) through `block_ids`, whose
+    blocks cover at least `end` slots. Slot of position p: block_ids[p // B] * B + p % B.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    needs_logits: bool
+
+    @property
+    def end_pos(self) -> int:
+        """One past the last position computed by this chunk."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """The batch of one step: chunks in scheduling order (decodes first, then prefills)."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # (src, dst) KV block copies to perform before the forward (copy-on-write of forks).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Tokens computed again that had been computed before (after preemption).
+    num_recomputed_tokens: int = 0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens computed in this step across all chunks."""
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when there is nothing to run."""
+        return not self.chunks and not self.block_copies

@@ -1,0 +1,66 @@
+"""`EngineArgs` (what a user passes) and `EngineConfig` (what the engine runs with)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from loom.core.scheduler import SchedulerConfig
+
+
+@dataclass
+class EngineArgs:
+    """Every knob of the engine; `LLM(**kwargs)` accepts the same names."""
+
+    model: str = "gemma3-270m"
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    block_size: int = 16
+    max_model_len: int | None = None
+    seed: int = 0
+    session_ttl_s: float | None = 3600.0
+    quantization: str | None = None
+    compile: bool = False
+    special_kwargs: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """Build from keyword arguments, rejecting unknown names with the list of known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The resolved configuration, composed once and never mutated."""
+
+    model_path: Path
+    tokenizer_path: Path
+    dtype: str
+    device: str
+    scheduler: SchedulerConfig
+    max_model_len: int
+    seed: int
+    session_ttl_s: float | None
+    quantization: str | None
+    compile: bool
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+        return self.scheduler.block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks in the KV pool."""
+        return self.scheduler.num_kv_blocks

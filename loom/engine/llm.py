@@ -1,0 +1,104 @@
+"""`LLM`: the offline batch API (vLLM's shape): `LLM(model=...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from loom.engine.config import EngineArgs
+from loom.engine.llm_engine import LLMEngine
+from loom.engine.outputs import CompletionOutput, RequestOutput
+from loom.errors import LoomError, PromptTooLongError
+from loom.sampling_params import SamplingParams
+
+# Show a progress bar by default only past this many prompts.
+_TQDM_MIN_PROMPTS = 8
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Run batches of prompts to completion; accepts every `EngineArgs` field as a keyword."""
+
+    def __init__(self, model: str = "gemma3-270m", **kwargs: Any) -> None:
+        self.engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer."""
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        A prompt that cannot be accepted (over the context limit) yields an output with
+        `finish_reason="error"` and the message in `error`; the others still run.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        if isinstance(sampling_params, SamplingParams) or sampling_params is None:
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(prompt_list)} prompts"
+                )
+        results: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        for prompt, params in zip(prompt_list, params_list, strict=True):
+            request_id = f"llm-{next(self._ids)}"
+            order.append(request_id)
+            try:
+                self.engine.add_request(request_id, prompt, params)
+            except PromptTooLongError as exc:
+                results[request_id] = _error_output(request_id, prompt, exc)
+        show = use_tqdm if use_tqdm is not None else len(prompt_list) > _TQDM_MIN_PROMPTS
+        self._run(results, len(order), show)
+        return [results[rid] for rid in order]
+
+    def _run(self, results: dict[str, RequestOutput], total: int, show: bool) -> None:
+        bar = None
+        if show:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+            bar.update(len(results))
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [items]  # a single prompt given as token ids
+    return items
+
+
+def _error_output(request_id: str, prompt: Prompt, exc: LoomError) -> RequestOutput:
+    text = prompt if isinstance(prompt, str) else None
+    ids = [] if isinstance(prompt, str) else list(prompt)
+    return RequestOutput(
+        request_id=request_id,
+        prompt=text,
+        prompt_token_ids=ids,
+        outputs=[CompletionOutput(index=0, text="", token_ids=[], finish_reason="error")],
+        finished=True,
+        error=str(exc),
+    )

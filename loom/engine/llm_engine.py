@@ -1,0 +1,276 @@
+"""`LLMEngine`: add requests, `step()` = schedule -> execute -> update, and live sessions."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+
+from loom.core.request import Request, RequestStatus
+from loom.core.scheduler import Scheduler
+from loom.core.scheduler_output import SchedulerOutput
+from loom.engine.config import EngineArgs, EngineConfig
+from loom.engine.outputs import RequestOutput
+from loom.engine.resolve import build_engine_parts
+from loom.engine.sequence import SequenceState
+from loom.engine.stop_conditions import check_stop
+from loom.errors import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    PromptTooLongError,
+    SessionClosedError,
+    UnknownRequestError,
+)
+from loom.runner.model_runner import ModelRunner
+from loom.sample import Sampler, SamplingRow
+from loom.sampling_params import SamplingParams
+from loom.tokenizer import IncrementalDetokenizer, Tokenizer
+
+_MAX_REMEMBERED_ENDED = 10_000
+
+
+class LLMEngine:
+    """The synchronous engine: a scheduler, a model runner, a sampler and output processing.
+
+    Request ids name what a caller added; with `n > 1` each of the n sequences is scheduled
+    as its own `Request` ("id/0", "id/1", ...) and their outputs are gathered under the id.
+    """
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: Tokenizer) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.scheduler = Scheduler(config.scheduler)
+        self.sampler = Sampler()
+        self.eos_token_ids: set[int] = set(tokenizer.eos_token_ids) | set(
+            runner.model_config.eos_token_ids
+        )
+        self._seqs: dict[str, SequenceState] = {}
+        self._groups: dict[str, list[str]] = {}
+        # Ids that ended recently and why ("finished", "aborted", "closed", "expired").
+        self._ended: OrderedDict[str, str] = OrderedDict()
+        self.last_scheduler_output: SchedulerOutput | None = None
+        self.num_steps = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        """Load the model and tokenizer and size the KV pool as the arguments say."""
+        config, runner, tokenizer = build_engine_parts(args)
+        return cls(config, runner, tokenizer)
+
+    # ---- adding and removing ------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        session: bool = False,
+        pin: bool = False,
+    ) -> None:
+        """Queue a request (or open a session with `session=True`)."""
+        params = sampling_params or SamplingParams()
+        if request_id in self._groups:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in use")
+        if session and params.n != 1:
+            raise InvalidRequestError(f"session {request_id!r}: n must be 1, got {params.n}")
+        prompt_text, prompt_ids = self._encode_prompt(request_id, prompt)
+        seq_ids = [request_id] if params.n == 1 else [f"{request_id}/{i}" for i in range(params.n)]
+        for index, seq_id in enumerate(seq_ids):
+            request = Request(seq_id, list(prompt_ids), pinned=pin)
+            seq = SequenceState(
+                request=request,
+                params=params,
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens
+                ),
+                group_id=request_id,
+                index=index,
+                prompt=prompt_text,
+                is_session=session,
+            )
+            seq.start_segment(params, self.tokenizer, self.config.seed)
+            self._seqs[seq_id] = seq
+            self.scheduler.add_request(request)
+        self._groups[request_id] = seq_ids
+        self._ended.pop(request_id, None)
+
+    def _encode_prompt(
+        self, request_id: str, prompt: str | Sequence[int]
+    ) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            text: str | None = prompt
+        else:
+            ids, text = [int(t) for t in prompt], None
+        if not ids:
+            raise InvalidRequestError(f"request {request_id!r}: the prompt is empty")
+        self._check_length(request_id, len(ids))
+        vocab = self.runner.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise InvalidRequestError(f"request {request_id!r}: token ids must be in [0, {vocab})")
+        return text, ids
+
+    def _check_length(self, request_id: str, num_tokens: int) -> None:
+        limit = self.config.max_model_len
+        if num_tokens > limit:
+            raise PromptTooLongError(
+                f"request {request_id!r}: {num_tokens} tokens exceed the context limit "
+                f"max_model_len={limit}"
+            )
+
+    def abort_request(self, request_id: str | Sequence[str]) -> None:
+        """Stop requests (or sessions) now and free their blocks; unknown ids raise."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            self._lookup_group(rid)
+        for rid in ids:
+            self._end_group(rid, "aborted", RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request waits or runs (paused sessions do not count)."""
+        return self.scheduler.has_work()
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests (by caller id) not finished yet, sessions included."""
+        return len(self._groups)
+
+    def _lookup_group(self, request_id: str) -> list[str]:
+        seq_ids = self._groups.get(request_id)
+        if seq_ids is None:
+            reason = self._ended.get(request_id)
+            if reason in ("closed", "expired"):
+                raise SessionClosedError(f"session {request_id!r} is {reason}")
+            if reason is not None:
+                raise UnknownRequestError(f"request {request_id!r} has already {reason}")
+            raise UnknownRequestError(f"unknown request id {request_id!r}")
+        return seq_ids
+
+    def _end_group(self, request_id: str, reason: str, status: RequestStatus) -> None:
+        for seq_id in self._groups.pop(request_id, []):
+            self._seqs.pop(seq_id, None)
+            if seq_id in self.scheduler.requests:
+                self.scheduler.finish(seq_id, status)
+        self._ended[request_id] = reason
+        while len(self._ended) > _MAX_REMEMBERED_ENDED:
+            self._ended.popitem(last=False)
+
+    # ---- the step ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step and return the outputs of the requests it advanced."""
+        self._expire_idle_sessions()
+        sched_out = self.scheduler.schedule()
+        self.last_scheduler_output = sched_out
+        if sched_out.is_empty:
+            return []
+        logits = self.runner.execute(sched_out.chunks, sched_out.block_copies)
+        self.scheduler.update_after_step(sched_out)
+        self.num_steps += 1
+        return self._process_logits(sched_out, logits)
+
+    def _process_logits(
+        self, sched_out: SchedulerOutput, logits: torch.Tensor
+    ) -> list[RequestOutput]:
+        """Store logits, sample the requests that generate, apply stop checks, build outputs."""
+        touched: dict[str, None] = {}
+        to_sample: list[tuple[SequenceState, int]] = []
+        row = 0
+        for chunk in sched_out.chunks:
+            if not chunk.needs_logits:
+                continue
+            seq = self._seqs[chunk.request_id]
+            if seq.is_session:
+                seq.last_logits = logits[row].clone()
+            if seq.request.sample_when_computed:
+                to_sample.append((seq, row))
+            else:
+                self.scheduler.park(seq.request, RequestStatus.PAUSED)
+                touched[seq.group_id] = None
+            row += 1
+        if to_sample:
+            rows = torch.tensor([r for _, r in to_sample], device=logits.device)
+            self._sample_and_append([s for s, _ in to_sample], logits.index_select(0, rows))
+            for seq, _ in to_sample:
+                touched[seq.group_id] = None
+        return [self._group_output(rid) for rid in touched]
+
+    def _sample_and_append(self, seqs: list[SequenceState], logits: torch.Tensor) -> None:
+        """Sample one token for each sequence from its logits row and advance it."""
+        rows = [
+            SamplingRow(
+                params=seq.params,
+                prompt_token_ids=seq.prompt_token_ids,
+                output_token_ids=seq.output_token_ids,
+                generator=seq.generator,
+                eos_token_ids=self.eos_token_ids,
+                num_generated=len(seq.segment_token_ids),
+            )
+            for seq in seqs
+        ]
+        result = self.sampler(logits, rows)
+        for i, seq in enumerate(seqs):
+            token_id = result.token_ids[i]
+            top = result.top_logprobs[i] if result.top_logprobs else None
+            seq.request.append_tokens([token_id])
+            seq.add_generated(token_id, result.logprobs[i], dict(top) if top else None)
+            status = check_stop(seq, token_id, self.eos_token_ids, self.config.max_model_len)
+            if status is not None:
+                self._end_segment(seq, status)
+
+    def _end_segment(self, seq: SequenceState, status: RequestStatus) -> None:
+        """A plain sequence finishes; a session keeps its KV and computes its pending token."""
+        if not seq.is_session:
+            self.scheduler.finish(seq.request_id, status)
+            return
+        seq.generating = False
+        seq.request.sample_when_computed = False
+        seq.last_logits = None
+        if seq.request.num_tokens >= self.config.max_model_len:
+            # No room to compute the pending token: drop it and park at the limit.
+            self.scheduler.truncate(seq.request, seq.request.num_computed_tokens)
+
+    def _group_output(self, request_id: str) -> RequestOutput:
+        seq_ids = self._groups[request_id]
+        seqs = [self._seqs[s] for s in seq_ids]
+        finished = all(s.request.is_finished for s in seqs)
+        first = seqs[0]
+        out = RequestOutput(
+            request_id=request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[s.completion() for s in seqs],
+            finished=finished,
+        )
+        if finished:
+            self._end_group(request_id, "finished", RequestStatus.FINISHED_STOPPED)
+        return out
+
+    def _expire_idle_sessions(self) -> None:
+        ttl = self.config.session_ttl_s
+        if ttl is None or not self.scheduler.idle:
+            return
+        now = time.monotonic()
+        expired = [r.request_id for r in self.scheduler.idle.values() if now - r.last_used > ttl]
+        for rid in expired:
+            self._end_group(self._seqs[rid].group_id, "expired", RequestStatus.FINISHED_ABORTED)
+
+    # ---- introspection -----------------------------------------------------------------
+
+    @property
+    def num_recomputed_tokens(self) -> int:
+        """Tokens computed a second time (after preemption or a rewind), engine-wide."""
+        return self.scheduler.num_recomputed_tokens
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks in the KV pool."""
+        return self.scheduler.kv.num_free_blocks
+
+    @property
+    def kv_pool_all_free(self) -> bool:
+        """True when no request holds any KV block (the leak check)."""
+        return self.scheduler.kv.pool.all_free

@@ -1,0 +1,115 @@
+"""Turn `EngineArgs` into a resolved `EngineConfig`, a loaded model runner and a tokenizer."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from loom.core.kv_cache_manager import cdiv
+from loom.core.scheduler import SchedulerConfig
+from loom.engine.config import EngineArgs, EngineConfig
+from loom.errors import InvalidRequestError
+from loom.loader.resolve import resolve_model_path
+from loom.runner.loading import build_model, kv_cache_bytes_per_block
+from loom.runner.model_runner import ModelRunner
+from loom.tokenizer import Tokenizer, load_tokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+}
+# Upper bound on pool size chosen from a memory budget (a tiny model would get millions).
+_MAX_AUTO_BLOCKS = 16_384
+
+
+def resolve_device(device: str) -> str:
+    """ "auto" picks CUDA when available, else CPU."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+@functools.cache
+def cpu_has_bf16() -> bool:
+    """True when the CPU computes bf16 natively (AVX-512 BF16 or AMX)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """ "auto" is bfloat16 where the device supports it natively, else float32."""
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    dtype = _DTYPE_ALIASES.get(dtype, dtype)
+    if dtype == "auto":
+        if device.startswith("cuda"):
+            return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        return "bfloat16" if cpu_has_bf16() else "float32"
+    if dtype not in _DTYPES:
+        raise InvalidRequestError(f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+    return dtype
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a resolved dtype name."""
+    return _DTYPES[name]
+
+
+def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tokenizer]:
+    """Resolve paths, dtype and device, load the model, size the KV pool, load the tokenizer."""
+    if args.block_size <= 0 or args.max_num_batched_tokens <= 0 or args.max_num_seqs <= 0:
+        raise InvalidRequestError(
+            "block_size, max_num_batched_tokens and max_num_seqs must be positive"
+        )
+    model_path = resolve_model_path(args.model)
+    tokenizer_path = resolve_model_path(args.tokenizer) if args.tokenizer else model_path
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model_config, model = build_model(
+        model_path, torch_dtype(dtype), torch.device(device), quantization=args.quantization
+    )
+    if args.num_kv_blocks is not None:
+        num_blocks = args.num_kv_blocks
+    else:
+        per_block = kv_cache_bytes_per_block(model_config, args.block_size, torch_dtype(dtype))
+        num_blocks = min(_MAX_AUTO_BLOCKS, int(args.kv_cache_memory_gb * 2**30 // per_block))
+    if num_blocks <= 0:
+        raise InvalidRequestError(f"the KV pool must have at least one block, got {num_blocks}")
+    max_model_len = min(
+        args.max_model_len or model_config.max_position_embeddings,
+        model_config.max_position_embeddings,
+        num_blocks * args.block_size,
+    )
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        num_kv_blocks=num_blocks,
+        block_size=args.block_size,
+    )
+    config = EngineConfig(
+        model_path=model_path,
+        tokenizer_path=tokenizer_path,
+        dtype=dtype,
+        device=device,
+        scheduler=scheduler,
+        max_model_len=max_model_len,
+        seed=args.seed,
+        session_ttl_s=args.session_ttl_s,
+        quantization=args.quantization,
+        compile=args.compile,
+    )
+    assert cdiv(max_model_len, args.block_size) <= num_blocks
+    runner = ModelRunner(
+        model_config, model, torch.device(device), torch_dtype(dtype), num_blocks, args.block_size
+    )
+    tokenizer = load_tokenizer(tokenizer_path)
+    return config, runner, tokenizer

@@ -1,0 +1,57 @@
+"""The exception hierarchy: every error Loom raises on purpose derives from `LoomError`."""
+
+from __future__ import annotations
+
+
+class LoomError(Exception):
+    """Root of every deliberate Loom error."""
+
+
+class ModelNotFoundError(LoomError):
+    """A model path or alias that does not resolve to files on disk."""
+
+
+class UnsupportedModelError(LoomError):
+    """A model whose architecture (or file format) Loom cannot run."""
+
+
+class MissingDependencyError(LoomError):
+    """An optional package is needed; the message names the extra to install."""
+
+
+class InvalidSamplingParamsError(LoomError, ValueError):
+    """A sampling parameter out of range; the message names the parameter and why."""
+
+
+class InvalidRequestError(LoomError, ValueError):
+    """A request that cannot be accepted as given (empty prompt, bad fragment, ...)."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    """A prompt (or a session after an append) longer than the context limit."""
+
+
+class DuplicateRequestError(LoomError, KeyError):
+    """A request id that is already in use."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownRequestError(LoomError, KeyError):
+    """A request id the engine does not know (never added, or already finished)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class SessionClosedError(UnknownRequestError):
+    """An operation on a session that was closed, aborted or has expired."""
+
+
+class InvalidSessionStateError(LoomError):
+    """An operation that the session's current state does not allow."""
+
+
+class OutOfKVBlocksError(LoomError):
+    """The KV pool cannot hold even a single request of the given length."""

@@ -1,0 +1,96 @@
+"""`SamplingParams`: how to pick tokens and when to stop, per request (vLLM's field names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from loom.errors import InvalidSamplingParamsError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling and stopping parameters of one request, validated on construction.
+
+    temperature 0 means greedy. top_k <= 0 (or -1) and top_p == 1 and min_p == 0 disable
+    those filters. Penalties follow vLLM: repetition_penalty over prompt and output tokens,
+    presence and frequency penalties over output tokens only.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+    logits_processors: list[Any] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", [self.stop])
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> InvalidSamplingParamsError:
+            value = getattr(self, name)
+            return InvalidSamplingParamsError(f"invalid sampling parameter {name}={value!r}: {why}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if self.temperature < 0:
+            raise bad("temperature", "must be >= 0 (0 means greedy)")
+        if not isinstance(self.top_k, int) or (self.top_k < -1):
+            raise bad("top_k", "must be an integer: -1 or 0 to disable, or >= 1")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be > 0 (1 disables it)")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            raise bad("max_tokens", "must be an integer >= 1 or None")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise bad("logprobs", "must be an integer >= 0 or None")
+        if self.stop is not None and any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "must be non-empty strings")
+        if self.stop_token_ids is not None and any(
+            not isinstance(t, int) or t < 0 for t in self.stop_token_ids
+        ):
+            raise bad("stop_token_ids", "must be non-negative integers")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "must be an integer or None")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature == 0.0
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """The stop strings as a list (possibly empty)."""
+        return list(self.stop or [])
+
+    def with_updates(self, **changes: Any) -> SamplingParams:
+        """A validated copy with some fields changed."""
+        return replace(self, **changes)
