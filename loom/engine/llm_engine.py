@@ -15,6 +15,7 @@ from loom.engine.config import EngineArgs, EngineConfig
 from loom.engine.outputs import RequestOutput
 from loom.engine.resolve import build_engine_parts
 from loom.engine.sequence import SequenceState
+from loom.engine.session_ops import SessionOps
 from loom.engine.stop_conditions import check_stop
 from loom.errors import (
     DuplicateRequestError,
@@ -31,7 +32,7 @@ from loom.tokenizer import IncrementalDetokenizer, Tokenizer
 _MAX_REMEMBERED_ENDED = 10_000
 
 
-class LLMEngine:
+class LLMEngine(SessionOps):
     """The synchronous engine: a scheduler, a model runner, a sampler and output processing.
 
     Request ids name what a caller added; with `n > 1` each of the n sequences is scheduled
@@ -71,7 +72,12 @@ class LLMEngine:
         session: bool = False,
         pin: bool = False,
     ) -> None:
-        """Queue a request (or open a session with `session=True`)."""
+        """Queue a request (or open a session with `session=True`).
+
+        A session opened without `sampling_params` only computes its prompt and pauses with
+        the last logits stored; `resume` or `prefill(..., sampling_params)` starts generating.
+        """
+        prefill_only = session and sampling_params is None
         params = sampling_params or SamplingParams()
         if request_id in self._groups:
             raise DuplicateRequestError(f"request id {request_id!r} is already in use")
@@ -92,7 +98,9 @@ class LLMEngine:
                 prompt=prompt_text,
                 is_session=session,
             )
-            seq.start_segment(params, self.tokenizer, self.config.seed)
+            seq.start_segment(params, self.config.device)
+            if prefill_only:
+                seq.generating = request.sample_when_computed = False
             self._seqs[seq_id] = seq
             self.scheduler.add_request(request)
         self._groups[request_id] = seq_ids
@@ -204,10 +212,9 @@ class LLMEngine:
             SamplingRow(
                 params=seq.params,
                 prompt_token_ids=seq.prompt_token_ids,
-                output_token_ids=seq.output_token_ids,
+                output_token_ids=seq.segment_token_ids,
                 generator=seq.generator,
                 eos_token_ids=self.eos_token_ids,
-                num_generated=len(seq.segment_token_ids),
             )
             for seq in seqs
         ]

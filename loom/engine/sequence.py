@@ -15,8 +15,9 @@ import torch
 
 from loom.core.request import Request
 from loom.engine.outputs import CompletionOutput, PositionLogprobs
+from loom.sample import make_generator
 from loom.sampling_params import SamplingParams
-from loom.tokenizer import IncrementalDetokenizer, StopStringChecker, Tokenizer
+from loom.tokenizer import IncrementalDetokenizer, StopStringChecker
 
 
 @dataclass
@@ -44,6 +45,8 @@ class SequenceState:
     stop_checker: StopStringChecker | None = None
     # Text returned to the caller at the end of a segment: truncated at a stop string.
     text_cut: int | None = None
+    # Characters of text the last sampled token added (where a stop string may end).
+    last_delta_len: int = 0
 
     @property
     def request_id(self) -> str:
@@ -55,7 +58,7 @@ class SequenceState:
         """The tokens of the original prompt."""
         return self.request.token_ids[: self.request.num_prompt_tokens]
 
-    def start_segment(self, params: SamplingParams, tokenizer: Tokenizer, seed: int) -> None:
+    def start_segment(self, params: SamplingParams, device: str) -> None:
         """Begin a generation segment with these parameters (a fresh seeded generator)."""
         self.params = params
         self.generating = True
@@ -71,12 +74,14 @@ class SequenceState:
         )
         if params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
-        self.generator = make_generator(params.seed, self.index, seed)
+        self.generator = (
+            None if params.seed is None else make_generator(params.seed + self.index, device)
+        )
 
     def append_fragment(self, token_ids: list[int]) -> None:
         """Record caller-appended tokens (already added to the request)."""
         self.output_token_ids.extend(token_ids)
-        self.detokenizer.add(token_ids)
+        self.detokenizer.append_prompt(token_ids)
 
     def add_generated(self, token_id: int, logprob: float, top: PositionLogprobs | None) -> str:
         """Record one sampled token; returns the new text it produced."""
@@ -90,6 +95,7 @@ class SequenceState:
             self.logprobs.append(entry)
         delta = self.detokenizer.add([token_id])
         self.segment_text += delta
+        self.last_delta_len = len(delta)
         return delta
 
     def completion(self) -> CompletionOutput:
@@ -106,13 +112,3 @@ class SequenceState:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
-
-
-def make_generator(seed: int | None, index: int, engine_seed: int) -> torch.Generator | None:
-    """A CPU generator for a seeded request (one stream per sequence index), else None."""
-    del engine_seed
-    if seed is None:
-        return None
-    generator = torch.Generator()
-    generator.manual_seed(seed + index)
-    return generator

@@ -22,7 +22,7 @@ def check_stop(
         if params.stop_token_ids and token_id in params.stop_token_ids:
             return _stopped(seq, "stop", token_id, RequestStatus.FINISHED_STOPPED)
         if seq.stop_checker is not None:
-            hit = seq.stop_checker.check(seq.segment_text)
+            hit = seq.stop_checker.check(seq.segment_text, seq.last_delta_len)
             if hit is not None:
                 kept_len, stop_str = hit
                 prefix_len = len(seq.detokenizer.text) - len(seq.segment_text)

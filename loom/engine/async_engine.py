@@ -1,0 +1,260 @@
+"""`AsyncLLMEngine`: the engine loop in the background, per-request output queues, sessions.
+
+One asyncio lock orders everything that touches the engine: a step (run in a worker thread
+so the event loop stays responsive) and every caller operation between steps. The lock is
+FIFO, so concurrent operations on one session apply in call order and none is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from loom.engine.config import EngineArgs
+from loom.engine.llm_engine import LLMEngine
+from loom.engine.outputs import RequestOutput
+from loom.engine.session_ops import Sample, SessionView
+from loom.errors import LoomError
+from loom.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class AsyncLLMEngine:
+    """Coroutine versions of the engine's methods, with a background stepping loop."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._lock = asyncio.Lock()
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._step_waiters: list[asyncio.Future[list[RequestOutput]]] = []
+        self._wakeup = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
+        """Build the synchronous engine and wrap it."""
+        return cls(LLMEngine.from_engine_args(args))
+
+    # ---- background loop ------------------------------------------------------------
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+        self._wakeup.set()
+
+    async def _run_loop(self) -> None:
+        while True:
+            if not self.engine.has_unfinished_requests() and not self._step_waiters:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            try:
+                async with self._lock:
+                    outputs = await asyncio.to_thread(self.engine.step)
+            except Exception as exc:  # deliver to everyone waiting, keep the loop alive
+                self._fail_all(exc)
+                continue
+            self._dispatch(outputs)
+            await asyncio.sleep(0)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+        waiters, self._step_waiters = self._step_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(outputs)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(exc)
+        waiters, self._step_waiters = self._step_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_exception(exc)
+
+    async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        async with self._lock:
+            result = fn(*args, **kwargs)
+        self._ensure_loop()
+        return result
+
+    # ---- the engine's API as coroutines -------------------------------------------
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Queue a request or open a session (`session=True`)."""
+        self._queues.setdefault(request_id, asyncio.Queue())
+        try:
+            await self._call(self.engine.add_request, request_id, prompt, sampling_params, **kwargs)
+        except LoomError:
+            self._queues.pop(request_id, None)
+            raise
+
+    async def step(self) -> list[RequestOutput]:
+        """The outputs of the next engine step."""
+        fut: asyncio.Future[list[RequestOutput]] = asyncio.get_running_loop().create_future()
+        self._step_waiters.append(fut)
+        self._ensure_loop()
+        return await fut
+
+    async def prefill(
+        self,
+        request_id: str,
+        fragment: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        **kwargs: Any,
+    ) -> int:
+        """Append a fragment to a session (see `LLMEngine.prefill`)."""
+        fn = self.engine.prefill if sampling_params is None else self._drained(self.engine.prefill)
+        return await self._call(fn, request_id, fragment, sampling_params, **kwargs)
+
+    async def resume(self, request_id: str, sampling_params: SamplingParams) -> None:
+        """Start a new generation segment on a paused session."""
+        await self._call(self._drained(self.engine.resume), request_id, sampling_params)
+
+    def _drained(self, fn: Any) -> Any:
+        """`fn` preceded by dropping the request's queued outputs of earlier segments."""
+
+        def run(request_id: str, *args: Any, **kwargs: Any) -> Any:
+            queue = self._queues.get(request_id)
+            while queue is not None and not queue.empty():
+                queue.get_nowait()
+            return fn(request_id, *args, **kwargs)
+
+        return run
+
+    async def resample(self, request_id: str, *a: Any, **k: Any) -> list[Sample]:
+        """Draw tokens from a session's stored logits."""
+        return await self._call(self.engine.resample, request_id, *a, **k)
+
+    async def rewind(self, request_id: str, num_tokens: int) -> None:
+        """Drop the last tokens of a paused session."""
+        await self._call(self.engine.rewind, request_id, num_tokens)
+
+    async def get_session(self, request_id: str) -> SessionView:
+        """A snapshot of a session."""
+        return await self._call(self.engine.get_session, request_id)
+
+    async def close(self, request_id: str) -> None:
+        """Close a session and free its blocks."""
+        await self._call(self.engine.close, request_id)
+        self._queues.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request or session."""
+        await self._call(self.engine.abort_request, request_id)
+        self._queues.pop(request_id, None)
+
+    async def outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Every output of a request as it arrives, until it (or its segment) finishes."""
+        queue = self._queues[request_id]
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished or item.segment_finished:
+                return
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """vLLM's streaming API: yields the request's cumulative output after every step."""
+        request_id = request_id or f"gen-{next(_ids)}"
+        await self.add_request(request_id, prompt, sampling_params)
+        try:
+            async for out in self.outputs(request_id):
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if request_id in self.engine._groups:
+                await self.abort(request_id)
+            self._queues.pop(request_id, None)
+
+    def session(self, prompt: str | Sequence[int], **kwargs: Any) -> Session:
+        """`async with engine.session(prompt) as s:` opens a paused session, closes it at exit."""
+        return Session(self, prompt, **kwargs)
+
+
+@dataclass
+class SegmentOutput:
+    """What one `Session.generate` produced."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    output: RequestOutput
+
+
+class Session:
+    """A live session: `await s.append(text)`, `await s.generate(params)`, `await s.resample()`."""
+
+    def __init__(self, engine: AsyncLLMEngine, prompt: str | Sequence[int], **kwargs: Any):
+        self.engine = engine
+        self.prompt = prompt
+        self.request_id: str = kwargs.pop("request_id", None) or f"session-{next(_ids)}"
+        self._kwargs = kwargs
+
+    async def __aenter__(self) -> Session:
+        await self.engine.add_request(
+            self.request_id, self.prompt, None, session=True, **self._kwargs
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.request_id in self.engine.engine._groups:
+            await self.engine.close(self.request_id)
+
+    async def append(self, fragment: str | Sequence[int], **kwargs: Any) -> int:
+        """Append a fragment (computed by the next steps); returns its token count."""
+        return await self.engine.prefill(self.request_id, fragment, **kwargs)
+
+    async def generate(self, sampling_params: SamplingParams) -> SegmentOutput:
+        """Generate one segment and wait for it to end."""
+        before = await self.engine.get_session(self.request_id)
+        await self.engine.resume(self.request_id, sampling_params)
+        last: RequestOutput | None = None
+        async for out in self.engine.outputs(self.request_id):
+            last = out
+        assert last is not None
+        completion = last.outputs[0]
+        num_before = len(before.token_ids) - before.num_prompt_tokens
+        prefix = len(
+            self.engine.engine.tokenizer.decode(list(before.token_ids[before.num_prompt_tokens :]))
+        )
+        return SegmentOutput(
+            text=completion.text[prefix:],
+            token_ids=completion.token_ids[num_before:],
+            finish_reason=completion.finish_reason,
+            output=last,
+        )
+
+    async def resample(
+        self, sampling_params: SamplingParams | None = None, n: int = 1
+    ) -> list[Sample]:
+        """Draw tokens from the stored logits."""
+        return await self.engine.resample(self.request_id, sampling_params, n)
+
+    async def rewind(self, num_tokens: int) -> None:
+        """Drop the last tokens."""
+        await self.engine.rewind(self.request_id, num_tokens)
+
+    async def view(self) -> SessionView:
+        """A snapshot of the session."""
+        return await self.engine.get_session(self.request_id)
