@@ -175,7 +175,9 @@ class LLMEngine(SessionOps):
         self.last_scheduler_output = sched_out
         if sched_out.is_empty:
             return []
-        logits = self.runner.execute(sched_out.chunks, sched_out.block_copies)
+        if sched_out.block_copies:
+            self.runner.copy_blocks(sched_out.block_copies)
+        logits = self.runner.execute(sched_out.chunks)
         self.scheduler.update_after_step(sched_out)
         self.num_steps += 1
         return self._process_logits(sched_out, logits)

@@ -136,7 +136,16 @@ class SessionOps:
         logits = self._stored_logits(seq)
         params = sampling_params or seq.params
         generator = None if params.seed is None else make_generator(params.seed, logits.device)
-        draws = sample_from_logits(logits, params, n=n, generator=generator)
+        # As the first token of a new segment would be drawn (see `resume`): penalties see the
+        # prompt, min_tokens suppresses EOS, and no segment tokens exist yet.
+        draws = sample_from_logits(
+            logits,
+            params,
+            n=n,
+            generator=generator,
+            prompt_token_ids=seq.prompt_token_ids,
+            eos_token_ids=self.eos_token_ids,
+        )
         return [Sample(t, self.tokenizer.decode([t]), lp) for t, lp in draws]
 
     def get_logits(self: LLMEngine, request_id: str) -> torch.Tensor:

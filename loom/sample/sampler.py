@@ -1,0 +1,190 @@
+"""`Sampler`: one token per row of a [B, V] logits batch, plus its logprobs.
+
+Pipeline (vLLM V1 order), each step batched over the rows that need it:
+
+    raw logits ──> logprobs, top logprobs (log-softmax of the raw logits)
+        │
+        ├─ per-request logits processors      (every row)
+        ├─ min_tokens: mask stop ids and eos  (every row)
+        ├─ repetition / presence / frequency  (rows with penalties)
+        ├─ greedy rows: argmax                (no softmax)
+        └─ random rows: temperature -> min-p -> top-k -> top-p -> softmax
+                        -> inverse CDF with one uniform from the row's generator
+
+A seeded row draws its uniform from its own generator (and its filters are row-wise), so
+its samples do not depend on the other rows of the batch; unseeded rows share one draw
+from the global RNG. See `loom.sample.draw` for why inverse CDF and not an exponential
+race: it needs one random number per row instead of V.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from loom.sample.draw import inverse_cdf, uniforms
+from loom.sample.filters import apply_min_p, apply_temperature, apply_top_k_top_p
+from loom.sample.penalties import apply_logits_processors, apply_min_tokens, apply_penalties
+from loom.sample.rows import SamplingRow, is_greedy
+from loom.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """Per row: the sampled token, its raw logprob, and the top-N raw logprobs if asked."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]] | None]
+
+
+def process_logits(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    """Logits processors, min_tokens and penalties over [B, V] (float32; input not modified)."""
+    out = logits.float()
+    if any(row.params.logits_processors for row in rows):
+        out = out.clone() if out is logits else out
+        apply_logits_processors(out, rows)
+    out = apply_min_tokens(out, rows)
+    return apply_penalties(out, rows)
+
+
+def random_filter(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    """Temperature, min-p, top-k and top-p over [R, V] logits of non-greedy rows."""
+    params = [row.params for row in rows]
+    logits = apply_temperature(logits, [p.temperature for p in params])
+    logits = apply_min_p(logits, [p.min_p for p in params])
+    return apply_top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
+
+
+def _sample_random(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    """Samples one token per row of [R, V] processed logits through the random pipeline."""
+    probs = random_filter(logits, rows).softmax(dim=-1)
+    u = uniforms([r.generator for r in rows], 1, probs.device)
+    return inverse_cdf(probs, u).squeeze(1)
+
+
+def choose_tokens(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    """[B] int64 token ids from processed [B, V] logits: argmax or random, per row."""
+    random_rows = [i for i, row in enumerate(rows) if not row.greedy]
+    if not random_rows:
+        return logits.argmax(dim=-1)
+    if len(random_rows) == len(rows):
+        return _sample_random(logits, rows)
+    tokens = logits.argmax(dim=-1)
+    index = torch.tensor(random_rows, device=logits.device)
+    sampled = _sample_random(logits.index_select(0, index), [rows[i] for i in random_rows])
+    return tokens.index_copy_(0, index, sampled)
+
+
+class Sampler:
+    """Samples a batch of rows, each with its own `SamplingParams`; holds no state."""
+
+    def __call__(self, logits: Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """One token per row of `logits` [B, V], with raw logprobs; one host sync per call.
+
+        (On the CPU, top-p without top-k also reads back a flag per row; that is free there.)
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(
+                f"sampler got logits of shape {tuple(logits.shape)} for {len(rows)} rows"
+            )
+        raw = logits.float()
+        tokens = choose_tokens(process_logits(raw, rows), rows)
+        lse = raw.logsumexp(dim=-1)
+        token_lp = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
+        parts = [tokens.double(), token_lp.double()]
+        # Top logprobs: one topk of the largest N over the rows that ask for N >= 1.
+        top_rows = [i for i, r in enumerate(rows) if r.params.logprobs]
+        top_n = max((rows[i].params.logprobs or 0 for i in top_rows), default=0)
+        top_n = min(top_n, raw.shape[1])
+        if top_rows:
+            index = torch.tensor(top_rows, device=raw.device)
+            top = raw.index_select(0, index).topk(top_n, dim=-1)
+            top_lp = top.values - lse.index_select(0, index).unsqueeze(1)
+            parts += [top.indices.double().flatten(), top_lp.double().flatten()]
+        # The single device -> host transfer: token ids are exact in float64.
+        host = torch.cat(parts).tolist()
+        batch = len(rows)
+        token_ids = [int(t) for t in host[:batch]]
+        token_logprobs = host[batch : 2 * batch]
+        top_logprobs: list[list[tuple[int, float]] | None] = [
+            None if r.params.logprobs is None else [] for r in rows
+        ]
+        ids_at = 2 * batch
+        lps_at = ids_at + len(top_rows) * top_n
+        for j, i in enumerate(top_rows):
+            want = min(rows[i].params.logprobs or 0, top_n)
+            start = j * top_n
+            top_logprobs[i] = [
+                (int(host[ids_at + start + m]), host[lps_at + start + m]) for m in range(want)
+            ]
+        return SamplerOutput(token_ids, token_logprobs, top_logprobs)
+
+
+def _single_row(
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    prompt_token_ids: Sequence[int],
+    output_token_ids: Sequence[int],
+    eos_token_ids: Sequence[int] | set[int],
+) -> SamplingRow:
+    """A `SamplingRow` for the one-row helpers below."""
+    return SamplingRow(
+        params, list(prompt_token_ids), list(output_token_ids), generator, set(eos_token_ids)
+    )
+
+
+def filtered_probs(
+    logits_row: Tensor,
+    params: SamplingParams,
+    *,
+    prompt_token_ids: Sequence[int] = (),
+    output_token_ids: Sequence[int] = (),
+    eos_token_ids: Sequence[int] | set[int] = (),
+) -> Tensor:
+    """The [V] distribution the sampler draws from after every filter (one-hot when greedy)."""
+    row = _single_row(params, None, prompt_token_ids, output_token_ids, eos_token_ids)
+    logits = process_logits(logits_row.unsqueeze(0), [row])
+    if row.greedy:
+        probs = torch.zeros_like(logits[0])
+        probs[logits[0].argmax()] = 1.0
+        return probs
+    return random_filter(logits, [row]).softmax(dim=-1)[0]
+
+
+def sample_from_logits(
+    logits_row: Tensor,
+    params: SamplingParams,
+    n: int = 1,
+    generator: torch.Generator | None = None,
+    *,
+    prompt_token_ids: Sequence[int] = (),
+    output_token_ids: Sequence[int] = (),
+    eos_token_ids: Sequence[int] | set[int] = (),
+) -> list[tuple[int, float]]:
+    """n independent (token id, raw logprob) draws from one stored raw logits row [V].
+
+    Uses the sampler's pipeline; greedy returns the argmax n times. With a generator, the
+    first draw equals what `Sampler` would pick for this row with the same generator state.
+    """
+    if n < 1:
+        raise ValueError(f"sample_from_logits needs n >= 1, got n={n}")
+    raw = logits_row.float()
+    if is_greedy(params) or n == 1:
+        row = _single_row(params, generator, prompt_token_ids, output_token_ids, eos_token_ids)
+        tokens = choose_tokens(process_logits(raw.unsqueeze(0), [row]), [row]).expand(n)
+    else:
+        probs = filtered_probs(
+            raw,
+            params,
+            prompt_token_ids=prompt_token_ids,
+            output_token_ids=output_token_ids,
+            eos_token_ids=eos_token_ids,
+        )
+        tokens = inverse_cdf(probs.unsqueeze(0), uniforms([generator], n, probs.device))[0]
+    lps = raw[tokens] - raw.logsumexp(dim=-1)
+    host = torch.stack([tokens.double(), lps.double()]).tolist()
+    return [(int(t), lp) for t, lp in zip(host[0], host[1], strict=True)]

@@ -1,0 +1,213 @@
+"""Live sessions on tiny models: the stored logits always equal a fresh forward pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import hf_last_logits
+from engine.helpers import make_engine, prompt_ids, run_to_completion
+from loom import SamplingParams
+from loom.errors import (
+    InvalidRequestError,
+    InvalidSessionStateError,
+    PromptTooLongError,
+    SessionClosedError,
+    UnknownRequestError,
+)
+from loom.sample import filtered_probs
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+ATOL = 1e-4
+
+
+def settle(engine):
+    """Step until nothing runs."""
+    return run_to_completion(engine)
+
+
+def assert_logits_fresh(engine, hf, rid):
+    """The stored logits equal transformers' on the session's tokens, and a fresh Loom request."""
+    view = engine.get_session(rid)
+    assert view.num_computed_tokens == len(view.token_ids)
+    stored = engine.get_logits(rid)
+    torch.testing.assert_close(stored, hf_last_logits(hf, list(view.token_ids)), atol=ATOL, rtol=0)
+    fresh_id = f"fresh-{rid}-{len(view.token_ids)}"
+    engine.add_request(fresh_id, list(view.token_ids), session=True)
+    settle(engine)
+    torch.testing.assert_close(engine.get_logits(fresh_id), stored, atol=ATOL, rtol=0)
+    engine.close(fresh_id)
+
+
+def assert_greedy_consistent(hf, token_ids, generated_ranges):
+    """Every generated token is the argmax of transformers' logits over its prefix."""
+    for start, end in generated_ranges:
+        for i in range(start, end):
+            assert token_ids[i] == int(hf_last_logits(hf, token_ids[:i]).argmax()), i
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+def test_alternating_session_equals_fresh_forward(tiny_models, arch):
+    folder, hf = tiny_models[arch]
+    engine = make_engine(folder, max_num_batched_tokens=8)
+    engine.add_request("s", prompt_ids(11), GREEDY, session=True)
+    engine.add_request("plain", prompt_ids(30, 5), SamplingParams(max_tokens=40, ignore_eos=True))
+    ranges = []
+    for k in range(3):
+        start = engine.get_session("s").num_prompt_tokens if k == 0 else None
+        out = settle(engine)["s"]
+        assert not out.finished and out.outputs[0].finish_reason == "length"
+        view = engine.get_session("s")
+        assert view.status == "PAUSED"
+        if start is not None:
+            ranges.append((start, start + 6))
+        assert_logits_fresh(engine, hf, "s")
+        engine.prefill("s", prompt_ids(5 + 7 * k, 10 + k))  # chunked: budget is 8
+        settle(engine)
+        assert_logits_fresh(engine, hf, "s")
+        before = len(engine.get_session("s").token_ids)
+        engine.resume("s", GREEDY)
+        ranges.append((before, before + 6))
+    settle(engine)
+    assert_greedy_consistent(hf, list(engine.get_session("s").token_ids), ranges)
+    assert engine.num_recomputed_tokens == 0
+    engine.close("s")
+    assert engine.kv_pool_all_free
+
+
+def test_append_keeps_blocks_and_computes_only_new_tokens(tiny_models):
+    folder, _ = tiny_models["qwen3"]
+    engine = make_engine(folder, max_num_batched_tokens=64)
+    engine.add_request("s", prompt_ids(21), GREEDY, session=True)
+    settle(engine)
+    view = engine.get_session("s")
+    computed_blocks = view.block_ids[: (view.num_computed_tokens + 3) // 4]
+    engine.prefill("s", prompt_ids(9, 2))
+    engine.step()
+    (chunk,) = engine.last_scheduler_output.chunks
+    assert chunk.start_pos == view.num_computed_tokens and len(chunk.token_ids) == 9
+    after = engine.get_session("s")
+    assert after.block_ids[: len(computed_blocks)] == computed_blocks
+    assert engine.num_recomputed_tokens == 0
+    engine.close("s")
+    assert engine.kv_pool_all_free
+
+
+def test_prefill_in_the_middle_of_a_segment_continues_generation(tiny_models):
+    folder, hf = tiny_models["gemma3"]
+    engine = make_engine(folder)
+    engine.add_request("s", prompt_ids(7), SamplingParams(temperature=0.0, max_tokens=10,
+                                                          ignore_eos=True), session=True)
+    engine.step()
+    engine.step()
+    engine.step()
+    n_before = len(engine.get_session("s").token_ids)
+    engine.prefill("s", prompt_ids(4, 9))
+    out = settle(engine)["s"]
+    ids = list(engine.get_session("s").token_ids)
+    # 3 generated before the fragment (the third one pending), the rest after it.
+    assert len(out.outputs[0].token_ids) == 10 + 4
+    assert_greedy_consistent(hf, ids, [(7, n_before), (n_before + 4, len(ids))])
+    assert_logits_fresh(engine, hf, "s")
+
+
+def test_rewind_then_continue_equals_fresh(tiny_models):
+    folder, hf = tiny_models["llama"]
+    engine = make_engine(folder)
+    engine.add_request("s", prompt_ids(13), GREEDY, session=True)
+    settle(engine)
+    blocks_before = engine.num_free_blocks
+    engine.rewind("s", 9)
+    settle(engine)
+    assert len(engine.get_session("s").token_ids) == 13 + 6 - 9
+    assert engine.num_free_blocks >= blocks_before + 1
+    assert_logits_fresh(engine, hf, "s")
+    engine.prefill("s", prompt_ids(3, 4), SamplingParams(temperature=0.0, max_tokens=3,
+                                                         ignore_eos=True))
+    settle(engine)
+    ids = list(engine.get_session("s").token_ids)
+    assert_greedy_consistent(hf, ids, [(len(ids) - 3, len(ids))])
+
+
+def test_paused_sessions_preempted_first_and_resume_identically(tiny_models):
+    folder, hf = tiny_models["qwen2"]
+    engine = make_engine(folder, num_kv_blocks=20, max_num_batched_tokens=32)
+    engine.add_request("old", prompt_ids(20), GREEDY, session=True)
+    settle(engine)
+    engine.add_request("pinned", prompt_ids(10, 1), GREEDY, session=True, pin=True)
+    settle(engine)
+    stored = engine.get_logits("old")
+    engine.add_request("big", prompt_ids(40, 2), SamplingParams(max_tokens=4, ignore_eos=True))
+    settle(engine)
+    assert engine.get_session("old").num_computed_tokens == 0  # preempted
+    assert engine.get_session("pinned").num_computed_tokens > 0
+    torch.testing.assert_close(engine.get_logits("old"), stored)  # logits survive preemption
+    engine.resume("old", GREEDY)
+    settle(engine)
+    assert engine.num_recomputed_tokens > 0
+    ids = list(engine.get_session("old").token_ids)
+    assert_greedy_consistent(hf, ids, [(20, 26), (26, 32)])
+    assert_logits_fresh(engine, hf, "old")
+
+
+def test_resample_matches_filtered_softmax_and_changes_nothing(tiny_models):
+    folder, _ = tiny_models["gemma3"]
+    engine = make_engine(folder)
+    engine.add_request("s", prompt_ids(12), session=True)
+    settle(engine)
+    logits = engine.get_logits("s")
+    view = engine.get_session("s")
+    greedy = engine.resample("s", SamplingParams(temperature=0.0), n=5)
+    assert {s.token_id for s in greedy} == {int(logits.argmax())}
+    params = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=3)
+    draws = engine.resample("s", params, n=4000)
+    probs = filtered_probs(logits, params)
+    counts = torch.bincount(torch.tensor([d.token_id for d in draws]), minlength=probs.numel())
+    tv = 0.5 * (counts / counts.sum() - probs).abs().sum()
+    assert tv < 0.06
+    assert all(probs[d.token_id] > 0 for d in draws)
+    assert engine.get_session("s") == view
+    again = engine.resample("s", params, n=20)
+    assert [d.token_id for d in again] == [d.token_id for d in draws[:20]]
+
+
+def test_session_errors_are_clear_and_leave_state_unchanged(tiny_models):
+    folder, _ = tiny_models["llama"]
+    engine = make_engine(folder, max_model_len=40)
+    with pytest.raises(UnknownRequestError, match="ghost"):
+        engine.prefill("ghost", "hi")
+    engine.add_request("s", prompt_ids(10), SamplingParams(max_tokens=30, ignore_eos=True),
+                       session=True)
+    with pytest.raises(InvalidSessionStateError, match="no stored logits"):
+        engine.resample("s")
+    engine.step()
+    with pytest.raises(InvalidSessionStateError, match="generating"):
+        engine.resume("s", GREEDY)
+    settle(engine)
+    view = engine.get_session("s")
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.prefill("s", "")
+    with pytest.raises(PromptTooLongError, match="max_model_len=40"):
+        engine.prefill("s", prompt_ids(30))
+    assert engine.get_session("s") == view
+    with pytest.raises(InvalidRequestError):
+        engine.rewind("s", 0)
+    engine.add_request("plain", prompt_ids(4), GREEDY)
+    with pytest.raises(InvalidSessionStateError, match="not a session"):
+        engine.prefill("plain", [5])
+    engine.close("s")
+    with pytest.raises(SessionClosedError, match="closed"):
+        engine.prefill("s", "more")
+    settle(engine)
+    assert engine.kv_pool_all_free
+
+
+def test_expired_sessions_are_freed(tiny_models):
+    folder, _ = tiny_models["llama"]
+    engine = make_engine(folder, session_ttl_s=0.0)
+    engine.add_request("s", prompt_ids(10), session=True)
+    settle(engine)
+    engine.step()
+    with pytest.raises(SessionClosedError, match="expired"):
+        engine.get_session("s")
+    assert engine.kv_pool_all_free
