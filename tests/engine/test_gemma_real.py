@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine.helpers import run_to_completion
+
 from loom import SamplingParams
 
 PROMPTS = [

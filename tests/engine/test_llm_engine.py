@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
-
 from conftest import TINY_ARCHS, hf_greedy, hf_last_logits
 from engine.helpers import make_engine, prompt_ids, run_to_completion
+
 from loom import LLM, SamplingParams
 from loom.errors import (
     DuplicateRequestError,

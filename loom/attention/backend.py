@@ -1,0 +1,68 @@
+"""The attention backend interface and its registry."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from loom.attention.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Static per-layer attention parameters."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None = None  # key visible iff key_pos > query_pos - window
+    logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} not a multiple of {self.num_kv_heads}")
+
+
+class AttentionBackend(ABC):
+    """Writes new K/V into a paged cache and attends over each sequence's context."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(
+        self,
+        spec: AttentionSpec,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Attend: q [T, H, D], k/v [T, Hkv, D] -> output [T, H * D] (stores k/v first)."""
+
+
+def get_attention_backend(name: str = "torch") -> AttentionBackend:
+    """Return the attention backend registered under `name`."""
+    from loom.attention.torch_backend import TorchAttentionBackend
+
+    backends: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+    if name not in backends:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(backends)}")
+    return backends[name]()
+
+
+def allocate_kv_caches(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[torch.Tensor]:
+    """Allocate one zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] cache per layer."""
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -1,0 +1,140 @@
+"""GGUF files: HF-style config from metadata, dequantised tensors under HF names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf.quants import dequantize
+
+from loom.errors import UnsupportedModelError
+from loom.loader.gguf_maps import (
+    GGUF_ARCHITECTURES,
+    GGUF_CONFIG_DEFAULTS,
+    GGUF_CONFIG_KEYS,
+    GGUF_GLOBAL_TENSORS,
+    GGUF_LAYER_TENSORS,
+    GGUF_LAYER_TENSORS_OVERRIDES,
+    GGUF_NORM_PLUS_ONE,
+    GGUF_PERMUTED_QK,
+    GGUF_SKIPPED_TENSORS,
+    GGUF_TOKEN_ID_KEYS,
+)
+from loom.loader.gguf_reader import GGUFFile
+from loom.loader.source import WeightIterator
+
+
+def gguf_architecture(reader: GGUFFile) -> str:
+    """`general.architecture`, checked against the supported set."""
+    arch = str(reader.get("general.architecture"))
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported; supported: {sorted(GGUF_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def gguf_to_hf_config(reader: GGUFFile) -> dict[str, Any]:
+    """Build an HF config.json-style dict from GGUF metadata."""
+    arch = gguf_architecture(reader)
+    hf_arch, model_type = GGUF_ARCHITECTURES[arch]
+    config: dict[str, Any] = {"architectures": [hf_arch], "model_type": model_type}
+    config.update(GGUF_CONFIG_DEFAULTS.get(arch, {}))
+    for suffix, hf_key in GGUF_CONFIG_KEYS.items():
+        value = reader.get(f"{arch}.{suffix}")
+        if value is not None:
+            config[hf_key] = value
+    for key, hf_key in GGUF_TOKEN_ID_KEYS.items():
+        value = reader.get(key)
+        if value is not None:
+            config[hf_key] = int(value)
+    names = {t.name for t in reader.tensors}
+    config["tie_word_embeddings"] = "output.weight" not in names
+    if "vocab_size" not in config:
+        embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        config["vocab_size"] = int(embed.shape[0])
+    config.setdefault(
+        "head_dim", config["hidden_size"] // config["num_attention_heads"]
+    )
+    scaling_type = reader.get(f"{arch}.rope.scaling.type")
+    if scaling_type and scaling_type != "none":
+        factor = float(reader.get(f"{arch}.rope.scaling.factor") or 1.0)
+        config["rope_scaling"] = {"rope_type": str(scaling_type), "factor": factor}
+    if arch == "gemma3":
+        # Matches what transformers builds from the same file (its Gemma3TextConfig default
+        # equals head_dim for 270M/1B/4B/12B).
+        config["query_pre_attn_scalar"] = config["head_dim"]
+        config["eos_token_id"] = _gemma3_eos(reader, config.get("eos_token_id"))
+    return config
+
+
+def _gemma3_eos(reader: GGUFFile, eos: int | None) -> list[int]:
+    """<eos> plus <end_of_turn> (id 106 in Gemma 3 vocabularies), which ends chat turns."""
+    ids = [eos] if eos is not None else []
+    eot = reader.get("tokenizer.ggml.eot_token_id")
+    if eot is not None:
+        ids.append(int(eot))
+    elif _token(reader, 106) == "<end_of_turn>":
+        ids.append(106)
+    return ids
+
+
+def _token(reader: GGUFFile, index: int) -> str | None:
+    try:
+        return str(reader.array_item("tokenizer.ggml.tokens", index))
+    except (KeyError, IndexError):
+        return None
+
+
+def gguf_to_hf_name(arch: str, name: str) -> str | None:
+    """HF name of a GGUF tensor (None for tensors with no HF counterpart)."""
+    if name in GGUF_SKIPPED_TENSORS:
+        return None
+    if name in GGUF_GLOBAL_TENSORS:
+        return GGUF_GLOBAL_TENSORS[name]
+    parts = name.split(".")
+    if len(parts) != 4 or parts[0] != "blk":
+        raise UnsupportedModelError(f"unexpected GGUF tensor {name!r}")
+    _, layer, kind, ending = parts
+    table = {**GGUF_LAYER_TENSORS, **GGUF_LAYER_TENSORS_OVERRIDES.get(arch, {})}
+    if kind not in table:
+        raise UnsupportedModelError(f"GGUF tensor {name!r} has no HF mapping for {arch}")
+    return f"model.layers.{layer}.{table[kind]}.{ending}"
+
+
+def _unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved -> rotate-half rope layout)."""
+    rows = w.shape[0]
+    half = rows // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(
+    reader: GGUFFile, config: dict[str, Any], dtype: torch.dtype | None = None
+) -> WeightIterator:
+    """Yield (hf_name, tensor), dequantised to float32, fixed up, then cast to `dtype`."""
+    arch = gguf_architecture(reader)
+    for tensor in reader.tensors:
+        hf_name = gguf_to_hf_name(arch, tensor.name)
+        if hf_name is None:
+            continue
+        raw = reader.tensor_data(tensor)
+        array = np.asarray(dequantize(raw, tensor.qtype), dtype=np.float32).reshape(tensor.shape)
+        w = torch.from_numpy(array.copy())
+        if arch in GGUF_NORM_PLUS_ONE and tensor.name.endswith("norm.weight"):
+            w = w - 1.0
+        if arch in GGUF_PERMUTED_QK and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            key = "num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"
+            w = _unpermute_qk(w, int(config[key]))
+        yield hf_name, w if dtype is None else w.to(dtype)
+
+
+def load_gguf(
+    path: Path, dtype: torch.dtype | None = None
+) -> tuple[dict[str, Any], WeightIterator]:
+    """Config dict and lazy weight iterator of a .gguf file."""
+    reader = GGUFFile(path)
+    config = gguf_to_hf_config(reader)
+    return config, iter_gguf_weights(reader, config, dtype)

@@ -1,0 +1,89 @@
+"""GGUF -> HF translation tables (data only)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# GGUF `general.architecture` -> (HF architectures name, HF model_type).
+GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+
+# `{arch}.<key>` metadata -> HF config key (shared by all architectures above).
+GGUF_CONFIG_KEYS: dict[str, str] = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.key_length": "head_dim",
+    "attention.sliding_window": "sliding_window",
+    "rope.freq_base": "rope_theta",
+    "vocab_size": "vocab_size",
+}
+
+# Tokenizer metadata -> HF config key.
+GGUF_TOKEN_ID_KEYS: dict[str, str] = {
+    "tokenizer.ggml.bos_token_id": "bos_token_id",
+    "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.padding_token_id": "pad_token_id",
+}
+
+# Per-architecture constants that GGUF does not store (HF config-class defaults).
+GGUF_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3": {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_local_base_freq": 10_000.0,
+        "sliding_window_pattern": 6,  # 5 sliding layers, then 1 global
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    },
+    "llama": {"hidden_act": "silu"},
+    "qwen2": {"hidden_act": "silu"},
+    "qwen3": {"hidden_act": "silu"},
+}
+
+# Non-layer tensors: GGUF name -> HF name.
+GGUF_GLOBAL_TENSORS: dict[str, str] = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+# `blk.{i}.<suffix>` -> `model.layers.{i}.<suffix>`; the .weight / .bias ending is kept.
+GGUF_LAYER_TENSORS: dict[str, str] = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+# Architecture-specific overrides of GGUF_LAYER_TENSORS (Gemma's sandwich norms).
+GGUF_LAYER_TENSORS_OVERRIDES: dict[str, dict[str, str]] = {
+    "gemma3": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
+
+# GGUF tensors with no HF counterpart (derived from config in Loom).
+GGUF_SKIPPED_TENSORS: frozenset[str] = frozenset({"rope_freqs.weight"})
+
+# llama.cpp stores Gemma RMSNorm weights as w + 1; HF stores w.
+GGUF_NORM_PLUS_ONE: frozenset[str] = frozenset({"gemma3"})
+
+# llama.cpp permutes q/k rows of these architectures (interleaved rope); undo it.
+GGUF_PERMUTED_QK: frozenset[str] = frozenset({"llama"})

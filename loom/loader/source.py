@@ -1,0 +1,38 @@
+"""What `load_model_files` returns: the config, a lazy weight stream and where they came from."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+WeightIterator = Iterator[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are: `path` is the HF folder or the .gguf file."""
+
+    path: Path
+    format: Literal["hf", "gguf"]
+
+    @property
+    def directory(self) -> Path:
+        """The folder holding the model files (for tokenizer lookup)."""
+        return self.path if self.path.is_dir() else self.path.parent
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """An HF-style config dict, a one-shot iterator of (hf_name, tensor), and the source."""
+
+    hf_config: dict[str, Any]
+    weights: WeightIterator
+    source: ModelSource
+
+    def __iter__(self) -> Iterator[Any]:
+        """Unpack as (hf_config, weights, source)."""
+        return iter((self.hf_config, self.weights, self.source))

@@ -1,0 +1,97 @@
+"""Building blocks shared by all architectures; variants are chosen by flags."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.attention import AttentionSpec, PagedAttention
+from loom.errors import UnsupportedModelError
+from loom.models.rope import RopeSpec, RotaryEmbedding
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in float32; `gemma=True` scales by (1 + w) before casting back."""
+
+    def __init__(self, dim: int, eps: float, gemma: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.gemma = gemma
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise over the last dimension."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * h.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x))."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str) -> None:
+        super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"activation {activation!r} not supported; supported: {sorted(_ACTIVATIONS)}"
+            )
+        self.act = _ACTIVATIONS[activation]
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the gated feed-forward block."""
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class SelfAttention(nn.Module):
+    """q/k/v projections (+ optional bias, QK-norm), rotary, paged attention, output proj."""
+
+    def __init__(
+        self,
+        layer_idx: int,
+        hidden_size: int,
+        spec: AttentionSpec,
+        rope: RopeSpec,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm_eps: float | None = None,
+        gemma_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        h, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
+        self.q_proj = nn.Linear(hidden_size, h * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, kv * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, kv * d, bias=qkv_bias)
+        self.o_proj = nn.Linear(h * d, hidden_size, bias=o_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(d, qk_norm_eps, gemma=gemma_norm)
+            self.k_norm = RMSNorm(d, qk_norm_eps, gemma=gemma_norm)
+        self.rotary = RotaryEmbedding(d, rope)
+        self.attn = PagedAttention(layer_idx, spec)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v)
+        return self.o_proj(out)

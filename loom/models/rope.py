@@ -1,0 +1,115 @@
+"""Rotary position embedding: parameter resolution from HF configs and application."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from loom.errors import UnsupportedModelError
+
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary parameters for one attention layer type."""
+
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+def _spec(theta: float, scaling: dict[str, Any] | None) -> RopeSpec:
+    scaling = scaling or {}
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope type {rope_type!r} is not supported; supported: {_SUPPORTED_ROPE_TYPES}"
+        )
+    return RopeSpec(
+        theta=float(scaling.get("rope_theta", theta)),
+        rope_type=rope_type,
+        factor=float(scaling.get("factor", 1.0)),
+        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+        original_max_position=int(scaling.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def resolve_rope(t: dict[str, Any], layer_type: str = "full_attention") -> RopeSpec:
+    """Rope parameters of `layer_type` from a flat text config (new or legacy HF layout).
+
+    New layout: `rope_parameters` = {rope_theta, rope_type, ...} or {layer_type: {...}}.
+    Legacy: `rope_theta` + `rope_scaling`; Gemma 3's sliding layers use `rope_local_base_freq`
+    with no scaling.
+    """
+    params = t.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        if layer_type in params and isinstance(params[layer_type], dict):
+            params = params[layer_type]
+        elif "full_attention" in params and isinstance(params["full_attention"], dict):
+            params = params["full_attention"]
+        return _spec(float(params.get("rope_theta", 10_000.0)), params)
+    if layer_type == "sliding_attention" and "rope_local_base_freq" in t:
+        return RopeSpec(theta=float(t["rope_local_base_freq"]))
+    return _spec(float(t.get("rope_theta", 10_000.0)), t.get("rope_scaling"))
+
+
+def inverse_frequencies(spec: RopeSpec, rotary_dim: int) -> torch.Tensor:
+    """Float32 inverse frequencies [rotary_dim // 2] on the CPU, scaled as `spec` says."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float()
+    inv_freq = 1.0 / (spec.theta ** (exponents / rotary_dim))
+    if spec.rope_type == "linear":
+        inv_freq = inv_freq / spec.factor
+    elif spec.rope_type == "llama3":
+        # Wavelengths above low_wavelen are divided by factor, below high_wavelen kept,
+        # and interpolated smoothly in between.
+        low_wavelen = spec.original_max_position / spec.low_freq_factor
+        high_wavelen = spec.original_max_position / spec.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / spec.factor, inv_freq)
+        smooth = (spec.original_max_position / wavelen - spec.low_freq_factor) / (
+            spec.high_freq_factor - spec.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / spec.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rotate-half (NeoX-style) rotary embedding to q [T, H, D] and k [T, Hkv, D]."""
+
+    def __init__(self, head_dim: int, spec: RopeSpec) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        # Plain attribute (not a buffer): survives meta-device construction and weight loads.
+        self._inv_freq = inverse_frequencies(spec, head_dim)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos/sin tables [T, 1, D] for absolute positions, computed in float32."""
+        if self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k by their positions."""
+        cos, sin = self.cos_sin(positions, q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

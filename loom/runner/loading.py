@@ -1,0 +1,32 @@
+"""Build a ready-to-run model from a name or path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from loom.loader import load_model_files, resolve_model_path
+from loom.models.base import CausalLM
+from loom.models.config import ModelConfig
+from loom.models.registry import get_model_class
+
+
+def build_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> tuple[ModelConfig, CausalLM]:
+    """Resolve `path` (alias, HF folder or .gguf), construct the model and load its weights."""
+    resolved = resolve_model_path(path)
+    hf_config, weights, _source = load_model_files(resolved, dtype=dtype)
+    architectures = hf_config.get("architectures") or ["<missing 'architectures'>"]
+    model_cls = get_model_class(str(architectures[0]))  # unsupported -> error before parsing
+    config = ModelConfig.from_hf(hf_config)
+    # Construct without allocating or initialising, then fill every parameter from the file.
+    with torch.device("meta"):
+        model = model_cls(config)
+    model = model.to_empty(device=device).to(dtype)
+    if model.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.load_weights(weights)
+    model.eval()
+    return config, model

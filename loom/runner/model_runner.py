@@ -1,0 +1,102 @@
+"""Turns scheduled chunks into tensors, runs the model, returns only the needed logits."""
+
+from __future__ import annotations
+
+import torch
+
+from loom.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    allocate_kv_caches,
+    forward_context,
+    get_attention_backend,
+)
+from loom.core.scheduler_output import ScheduledChunk
+from loom.models.base import CausalLM
+from loom.models.config import ModelConfig
+
+
+def kv_cache_bytes_per_block(
+    model_config: ModelConfig, block_size: int, dtype: torch.dtype
+) -> int:
+    """Bytes one KV block takes across all layers (K and V)."""
+    per_layer = 2 * block_size * model_config.num_kv_heads * model_config.head_dim
+    return model_config.num_layers * per_layer * dtype.itemsize
+
+
+class ModelRunner:
+    """Owns the paged KV caches and executes one step of scheduled chunks."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        model: CausalLM,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        num_blocks: int,
+        block_size: int,
+        attention_backend: str = "torch",
+    ) -> None:
+        self.model_config = model_config
+        self.model = model
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.backend: AttentionBackend = get_attention_backend(attention_backend)
+        self.kv_caches = allocate_kv_caches(
+            model_config.num_layers, num_blocks, block_size,
+            model_config.num_kv_heads, model_config.head_dim, dtype, self.device,
+        )
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy KV block src -> dst in every layer (copy-on-write of forked blocks)."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            for cache in self.kv_caches:
+                # cache: [2, num_blocks, ...]; gather first so overlapping pairs read old data.
+                cache[:, dst] = cache[:, src]
+
+    def build_metadata(self, chunks: list[ScheduledChunk]) -> AttentionMetadata:
+        """Attention metadata (slots, positions, block tables, lengths) for the chunks."""
+        for c in chunks:
+            if not c.token_ids:
+                raise ValueError(f"request {c.request_id}: empty chunk")
+            if len(c.block_ids) * self.block_size < c.end_pos:
+                raise ValueError(
+                    f"request {c.request_id}: {len(c.block_ids)} blocks of {self.block_size} "
+                    f"cannot hold {c.end_pos} positions"
+                )
+        return AttentionMetadata.build(
+            start_pos=[c.start_pos for c in chunks],
+            query_lens=[len(c.token_ids) for c in chunks],
+            block_ids=[c.block_ids for c in chunks],
+            block_size=self.block_size,
+            device=self.device,
+        )
+
+    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Run the chunks; float32 logits [N, V], one row per chunk with needs_logits, in order."""
+        vocab = self.model_config.vocab_size
+        if not chunks:
+            return torch.empty((0, vocab), dtype=torch.float32, device=self.device)
+        metadata = self.build_metadata(chunks)
+        input_ids = torch.tensor(
+            [t for c in chunks for t in c.token_ids], dtype=torch.int64
+        ).to(self.device)
+        # Row of each chunk's last token in the packed batch: query_start_loc[b + 1] - 1.
+        last_rows: list[int] = []
+        end = 0
+        for c in chunks:
+            end += len(c.token_ids)
+            if c.needs_logits:
+                last_rows.append(end - 1)
+        with torch.inference_mode(), forward_context(metadata, self.kv_caches, self.backend):
+            hidden = self.model(input_ids, metadata.positions)
+            if not last_rows:
+                return torch.empty((0, vocab), dtype=torch.float32, device=self.device)
+            rows = torch.tensor(last_rows, dtype=torch.int64, device=self.device)
+            return self.model.compute_logits(hidden[rows])
