@@ -63,7 +63,7 @@ def run_madlibs(engine: LLMEngine) -> list[AppendTiming]:
     engine.add_request("story", TEMPLATE[0], session=True)
     _settle(engine)
     print(TEMPLATE[0], end="", flush=True)
-    for k, fragment in enumerate(TEMPLATE[1:] + [None]):
+    for k, fragment in enumerate([*TEMPLATE[1:], None]):
         before = engine.get_session("story")
         engine.resume("story", FILL)
         _settle(engine)

@@ -238,9 +238,6 @@ class LLMEngine(SessionOps):
         seq.generating = False
         seq.request.sample_when_computed = False
         seq.last_logits = None
-        if seq.request.num_tokens >= self.config.max_model_len:
-            # No room to compute the pending token: drop it and park at the limit.
-            self.scheduler.truncate(seq.request, seq.request.num_computed_tokens)
 
     def _group_output(self, request_id: str) -> RequestOutput:
         seq_ids = self._groups[request_id]

@@ -119,6 +119,7 @@ class SessionOps:
         stored logits without a model call."""
         seq = self._session(request_id)
         self._require_paused(seq, "resume")
+        self._check_length(request_id, seq.request.num_tokens + 1)
         seq.start_segment(sampling_params, self.config.device)
         seq.request.sample_when_computed = True
         if seq.last_logits is not None:

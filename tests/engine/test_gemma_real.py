@@ -1,4 +1,4 @@
-"""The real Gemma 3 270M end to end: greedy text equals transformers, sessions equal fresh passes."""
+"""The real Gemma 3 270M end to end: greedy equals transformers, sessions equal fresh passes."""
 
 from __future__ import annotations
 

@@ -190,6 +190,8 @@ def test_session_errors_are_clear_and_leave_state_unchanged(tiny_models):
     with pytest.raises(PromptTooLongError, match="max_model_len=40"):
         engine.prefill("s", prompt_ids(30))
     assert engine.get_session("s") == view
+    with pytest.raises(PromptTooLongError, match="max_model_len=40"):
+        engine.resume("s", GREEDY)  # the session is at the limit: 10 + 30 tokens
     with pytest.raises(InvalidRequestError):
         engine.rewind("s", 0)
     engine.add_request("plain", prompt_ids(4), GREEDY)

