@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loom.engine.config import EngineArgs
+from loom.engine.hooks import PendingCall
 from loom.engine.llm_engine import LLMEngine
 from loom.engine.outputs import RequestOutput
 from loom.engine.session_ops import Sample, SessionView
@@ -28,6 +29,9 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
+        # Hooks' async calls (tool calls and the like) run on this event loop, not in a step.
+        engine.run_async_calls_inline = False
+        self._calls: set[asyncio.Task[None]] = set()
         self._lock = asyncio.Lock()
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._step_waiters: list[asyncio.Future[list[RequestOutput]]] = []
@@ -59,7 +63,25 @@ class AsyncLLMEngine:
                 self._fail_all(exc)
                 continue
             self._dispatch(outputs)
+            for call in self.engine.take_pending_calls():
+                task = asyncio.get_running_loop().create_task(self._run_call(call))
+                self._calls.add(task)
+                task.add_done_callback(self._calls.discard)
             await asyncio.sleep(0)
+
+    async def _run_call(self, call: PendingCall) -> None:
+        """Run a hook's async call, then append its result under the lock."""
+        try:
+            result = await call.fn()
+        except Exception as exc:  # only this request fails: abort it, report to its caller
+            seq = self.engine._seqs.get(call.seq_id)
+            if seq is not None:
+                queue = self._queues.get(seq.group_id)
+                if queue is not None:
+                    queue.put_nowait(exc)
+                await self._call(self.engine.abort_request, seq.group_id)
+            return
+        await self._call(self.engine.finish_pending_call, call, result)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -27,8 +27,8 @@ class EngineArgs:
     session_ttl_s: float | None = 3600.0
     quantization: str | None = None
     compile: bool = False
-    special_kwargs: Any = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    special_kwargs: Any = None  # loom.engine.promise_sync.SpecialKwargs
+    hooks: list[Any] = field(default_factory=list)  # loom.engine.hooks.SequenceHook objects
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -54,6 +54,8 @@ class EngineConfig:
     session_ttl_s: float | None
     quantization: str | None
     compile: bool
+    special_kwargs: Any = None
+    hooks: tuple[Any, ...] = ()
 
     @property
     def block_size(self) -> int:

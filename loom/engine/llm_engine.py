@@ -12,11 +12,14 @@ from loom.core.request import Request, RequestStatus
 from loom.core.scheduler import Scheduler
 from loom.core.scheduler_output import SchedulerOutput
 from loom.engine.config import EngineArgs, EngineConfig
+from loom.engine.hooks import HookContext, PendingCall, SequenceHook
 from loom.engine.outputs import RequestOutput
+from loom.engine.promise_sync import PromiseSyncHook
 from loom.engine.resolve import build_engine_parts
 from loom.engine.sequence import SequenceState
 from loom.engine.session_ops import SessionOps
 from loom.engine.stop_conditions import check_stop
+from loom.engine.tree_ops import TreeOps
 from loom.errors import (
     DuplicateRequestError,
     InvalidRequestError,
@@ -32,7 +35,7 @@ from loom.tokenizer import IncrementalDetokenizer, Tokenizer
 _MAX_REMEMBERED_ENDED = 10_000
 
 
-class LLMEngine(SessionOps):
+class LLMEngine(SessionOps, TreeOps):
     """The synchronous engine: a scheduler, a model runner, a sampler and output processing.
 
     Request ids name what a caller added; with `n > 1` each of the n sequences is scheduled
@@ -54,6 +57,15 @@ class LLMEngine(SessionOps):
         self._ended: OrderedDict[str, str] = OrderedDict()
         self.last_scheduler_output: SchedulerOutput | None = None
         self.num_steps = 0
+        self.hooks: list[SequenceHook] = list(config.hooks)
+        if config.special_kwargs is not None:
+            self.hooks.insert(
+                0, PromiseSyncHook.from_kwargs(config.special_kwargs, tokenizer.token_to_id)
+            )
+        self.hook_context = HookContext(self)
+        self._pending_calls: list[PendingCall] = []
+        # The async engine sets this False and runs hooks' async calls on its own loop.
+        self.run_async_calls_inline = True
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -180,7 +192,10 @@ class LLMEngine(SessionOps):
         logits = self.runner.execute(sched_out.chunks)
         self.scheduler.update_after_step(sched_out)
         self.num_steps += 1
-        return self._process_logits(sched_out, logits)
+        outputs = self._process_logits(sched_out, logits)
+        if self._pending_calls and self.run_async_calls_inline:
+            self._run_pending_calls_inline()
+        return outputs
 
     def _process_logits(
         self, sched_out: SchedulerOutput, logits: torch.Tensor
@@ -225,31 +240,41 @@ class LLMEngine(SessionOps):
             token_id = result.token_ids[i]
             top = result.top_logprobs[i] if result.top_logprobs else None
             seq.request.append_tokens([token_id])
+            for hook in self.hooks:
+                hook.on_token(self.hook_context, seq.request_id, token_id)
             seq.add_generated(token_id, result.logprobs[i], dict(top) if top else None)
+            if seq.finish_requested:
+                seq.finish_reason, seq.stop_reason = "stop", token_id
+                self._end_segment(seq, RequestStatus.FINISHED_STOPPED)
+                continue
             status = check_stop(seq, token_id, self.eos_token_ids, self.config.max_model_len)
             if status is not None:
                 self._end_segment(seq, status)
+            elif seq.blocked and not seq.request.is_finished:
+                self.scheduler.park(seq.request, RequestStatus.BLOCKED)
 
     def _end_segment(self, seq: SequenceState, status: RequestStatus) -> None:
         """A plain sequence finishes; a session keeps its KV and computes its pending token."""
         if not seq.is_session:
             self.scheduler.finish(seq.request_id, status)
+            for hook in self.hooks:
+                hook.on_finished(self.hook_context, seq.request_id)
             return
         seq.generating = False
         seq.request.sample_when_computed = False
         seq.last_logits = None
 
     def _group_output(self, request_id: str) -> RequestOutput:
-        seq_ids = self._groups[request_id]
-        seqs = [self._seqs[s] for s in seq_ids]
+        seqs = [self._seqs[s] for s in self._groups[request_id]]
         finished = all(s.request.is_finished for s in seqs)
-        first = seqs[0]
+        roots = [s for s in seqs if s.parent_id is None]
         out = RequestOutput(
             request_id=request_id,
-            prompt=first.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=[s.completion() for s in seqs],
+            prompt=roots[0].prompt,
+            prompt_token_ids=roots[0].prompt_token_ids,
+            outputs=[s.completion() for s in roots],
             finished=finished,
+            children=[c for s in roots for c in self._child_outputs(s)],
         )
         if finished:
             self._end_group(request_id, "finished", RequestStatus.FINISHED_STOPPED)

@@ -106,6 +106,8 @@ def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tok
         session_ttl_s=args.session_ttl_s,
         quantization=args.quantization,
         compile=args.compile,
+        special_kwargs=args.special_kwargs,
+        hooks=tuple(args.hooks),
     )
     assert cdiv(max_model_len, args.block_size) <= num_blocks
     runner = ModelRunner(

@@ -47,6 +47,13 @@ class SequenceState:
     text_cut: int | None = None
     # Characters of text the last sampled token added (where a stop string may end).
     last_delta_len: int = 0
+    # The request tree (sequence hooks): parent, children not joined yet, all children.
+    parent_id: str | None = None
+    depth: int = 0
+    children: list[str] = field(default_factory=list)
+    all_children: list[str] = field(default_factory=list)
+    blocked: bool = False
+    finish_requested: bool = False
 
     @property
     def request_id(self) -> str:
