@@ -186,7 +186,7 @@ class LLMEngine(SessionOps, TreeOps):
         sched_out = self.scheduler.schedule()
         self.last_scheduler_output = sched_out
         if sched_out.is_empty:
-            return []
+            return self._fail_unschedulable()
         if sched_out.block_copies:
             self.runner.copy_blocks(sched_out.block_copies)
         logits = self.runner.execute(sched_out.chunks)
@@ -252,6 +252,33 @@ class LLMEngine(SessionOps, TreeOps):
                 self._end_segment(seq, status)
             elif seq.blocked and not seq.request.is_finished:
                 self.scheduler.park(seq.request, RequestStatus.BLOCKED)
+
+    def _fail_unschedulable(self) -> list[RequestOutput]:
+        """Nothing runs and the head of the queue cannot get blocks: the rest of the pool is
+        held by pinned or blocked sequences. Fail that request (its tree) instead of waiting
+        forever; everything else keeps its state."""
+        if self.scheduler.running or not self.scheduler.waiting:
+            return []
+        seq = self._seqs[self.scheduler.waiting[0].request_id]
+        group = seq.group_id
+        roots = [self._seqs[s] for s in self._groups[group] if self._seqs[s].parent_id is None]
+        error = (
+            f"request {group!r} cannot be scheduled: it needs more KV blocks than are free "
+            f"({self.num_free_blocks} of {self.config.num_kv_blocks}); the rest are held by "
+            "pinned sessions or blocked sequences"
+        )
+        for root in roots:
+            root.finish_reason = "error"
+        out = RequestOutput(
+            request_id=group,
+            prompt=roots[0].prompt,
+            prompt_token_ids=roots[0].prompt_token_ids,
+            outputs=[r.completion() for r in roots],
+            finished=True,
+            error=error,
+        )
+        self._end_group(group, "failed", RequestStatus.FINISHED_ERROR)
+        return [out]
 
     def _end_segment(self, seq: SequenceState, status: RequestStatus) -> None:
         """A plain sequence finishes; a session keeps its KV and computes its pending token."""
