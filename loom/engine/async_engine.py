@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from loom.engine.config import EngineArgs
 from loom.engine.hooks import PendingCall
 from loom.engine.llm_engine import LLMEngine
@@ -158,8 +160,26 @@ class AsyncLLMEngine:
         return run
 
     async def resample(self, request_id: str, *a: Any, **k: Any) -> list[Sample]:
-        """Draw tokens from a session's stored logits."""
+        """Draw tokens from a session's stored logits (waits until they are computed)."""
+        await self.wait_for_logits(request_id)
         return await self._call(self.engine.resample, request_id, *a, **k)
+
+    async def get_logits(self, request_id: str) -> torch.Tensor:
+        """A session's stored logits row (waits until it is computed)."""
+        await self.wait_for_logits(request_id)
+        return await self._call(self.engine.get_logits, request_id)
+
+    async def wait_for_logits(self, request_id: str) -> None:
+        """Return once the session is paused with every token computed and logits stored."""
+        while True:
+            async with self._lock:
+                seq = self.engine._session(request_id)
+                if not seq.generating and seq.last_logits is not None:
+                    return
+                if not seq.generating and not self.engine.scheduler.has_work():
+                    # Nothing will compute it (for example a session at the context limit).
+                    self.engine.resample(request_id)  # raises the engine's clear error
+            await self.step()
 
     async def rewind(self, request_id: str, num_tokens: int) -> None:
         """Drop the last tokens of a paused session."""
