@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from loom.demo_fork import fork_join_kwargs, print_tree, run_fork_join
 from loom.engine.config import EngineArgs
 from loom.engine.llm_engine import LLMEngine
 from loom.sampling_params import SamplingParams
@@ -99,12 +100,18 @@ def print_table(timings: list[AppendTiming]) -> None:
 def main() -> None:
     """Load the default model and run the demo."""
     start = time.perf_counter()
-    engine = LLMEngine.from_engine_args(EngineArgs(model="gemma3-270m"))
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model="gemma3-270m", special_kwargs=fork_join_kwargs())
+    )
     print(f"loaded gemma3-270m ({engine.config.dtype}, {engine.config.device}) "
           f"in {time.perf_counter() - start:.1f} s\n")
     print(_paint("madlibs: cyan = appended fragments, green [..] = the model's fills\n", "2"))
     timings = run_madlibs(engine)
     print_table(timings)
+    print(_paint("\nfork/join: <promise> after each outline item spawns a child sharing the "
+                 "parent's KV; <sync> merges their expansions\n", "2"))
+    out, _ = run_fork_join(engine)
+    print_tree(out)
     assert engine.kv_pool_all_free
     print(f"\nrecomputed tokens: {engine.num_recomputed_tokens}")
 

@@ -140,12 +140,18 @@ def gemma_path() -> Path:
 @pytest.fixture(scope="session")
 def gemma_engine(gemma_path):
     """Loom's engine on the real Gemma 3 270M in float32, loaded once."""
+    from loom.demo_fork import fork_join_kwargs
     from loom.engine.config import EngineArgs
     from loom.engine.llm_engine import LLMEngine
 
+    # The promise/sync tokens are Gemma's unused tokens, never sampled by the other tests.
     return LLMEngine.from_engine_args(
         EngineArgs(
-            model=str(gemma_path), dtype="float32", num_kv_blocks=512, max_num_batched_tokens=256
+            model=str(gemma_path),
+            dtype="float32",
+            num_kv_blocks=512,
+            max_num_batched_tokens=256,
+            special_kwargs=fork_join_kwargs(),
         )
     )
 

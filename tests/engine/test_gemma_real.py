@@ -70,3 +70,24 @@ def test_heal_retokenizes_across_the_boundary(engine):
     view = engine.get_session("h")
     assert list(view.token_ids) == engine.tokenizer.encode("Hello world, how are you?")
     engine.close("h")
+
+
+def test_fork_join_scene_shares_kv_and_equals_fresh_forward(engine, gemma_hf):
+    from loom.demo_fork import run_fork_join
+
+    out, script = run_fork_join(engine, "outline-test", close=False)
+    assert len(out.children) == 3 and all(c.finished for c in out.children)
+    ids = list(engine.get_session("outline-test").token_ids)
+    tok = engine.tokenizer
+    text = tok.decode(ids)
+    for child in out.children:  # every expansion is merged into the parent's text
+        assert child.outputs[0].text.strip()[:20] in text
+    with torch.no_grad():
+        ref = gemma_hf(torch.tensor([ids])).logits[0, -1].float()
+        torch.testing.assert_close(engine.get_logits("outline-test"), ref, atol=2e-3, rtol=1e-3)
+        assert len(script.child_first_logits) == 3
+        for context, logits in script.child_first_logits:
+            ref = gemma_hf(torch.tensor([context])).logits[0, -1].float()
+            torch.testing.assert_close(logits, ref, atol=2e-3, rtol=1e-3)
+    assert engine.num_recomputed_tokens == 0
+    engine.close("outline-test")

@@ -1,0 +1,204 @@
+"""Single-stream latency: time to first token and greedy decode tokens/s, Loom against peers.
+
+For each prompt length (default 512 and 2048 tokens) one request generates `--max-tokens`
+tokens greedily with EOS ignored. TTFT is the time from submitting to the first token;
+decode tokens/s is (n - 1) / (time of the last token - time of the first). Engines: Loom at
+its default dtype, Loom int8 (when `EngineArgs(quantization="int8")` is accepted), HF
+transformers at Loom's dtype and in bf16, llama.cpp on the same GGUF file.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import common as c
+
+NAME = "latency"
+TITLE = "Latency: time to first token and single-stream decode"
+
+# A runner takes prompt ids and a token count; returns (submit time, token arrival times).
+Runner = Callable[[list[int], int], tuple[float, list[float]]]
+
+
+def loom_runner(engine: Any) -> Runner:
+    """Greedy single-request generation on a Loom engine, timestamping each token."""
+    from loom import SamplingParams
+
+    ids = itertools.count()
+
+    def run(prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+        rid = f"lat-{next(ids)}"
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        times: list[float] = []
+        start = c.now()
+        engine.add_request(rid, prompt, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got = len(out.outputs[0].token_ids)
+                times.extend([c.now()] * (got - len(times)))
+        return start, times
+
+    return run
+
+
+def hf_runner(hf: Any, tok: Any) -> Runner:
+    """HF `generate` (greedy, EOS ignored) with a streamer that timestamps each token."""
+    import torch
+
+    def run(prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+        input_ids = torch.tensor([prompt], device=hf.device)
+        streamer = c.TimestampStreamer()
+        start = c.now()
+        with torch.inference_mode():
+            hf.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                top_p=None,
+                top_k=None,
+                pad_token_id=tok.pad_token_id,
+                streamer=streamer,
+            )
+        return start, streamer.times
+
+    return run
+
+
+def llama_cpp_runner(llm: Any) -> Runner:
+    """llama.cpp greedy generation from an empty cache, timestamping each token."""
+
+    def run(prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+        llm.reset()
+        c.llama_cpp_truncate(llm, 0)
+        times: list[float] = []
+        start = c.now()
+        for _ in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=False):
+            times.append(c.now())
+            if len(times) >= max_tokens:
+                break
+        return start, times
+
+    return run
+
+
+def measure(run: Runner, prompt: list[int], max_tokens: int, repeats: int) -> dict[str, Any]:
+    """Median TTFT (ms) and decode tokens/s over `repeats` runs, after one short warmup."""
+    run(prompt[:32], 4)
+    ttfts, rates = [], []
+    for _ in range(repeats):
+        start, times = run(prompt, max_tokens)
+        assert len(times) == max_tokens, f"got {len(times)} tokens, wanted {max_tokens}"
+        ttfts.append((times[0] - start) * 1e3)
+        rates.append((len(times) - 1) / (times[-1] - times[0]))
+    return {
+        "ttft_ms": round(c.median(ttfts), 2),
+        "decode_tok_s": round(c.median(rates), 3),
+        "ttft_ms_all": [round(t, 2) for t in ttfts],
+        "decode_tok_s_all": [round(r, 3) for r in rates],
+    }
+
+
+def main() -> None:
+    """Parse arguments, run every engine on every prompt length, report."""
+    parser = c.base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=None)
+    parser.add_argument("--max-tokens", type=int, default=None, help="decode length (128)")
+    parser.add_argument("--hf-dtypes", nargs="+", default=None,
+                        help="HF dtypes ('same' = Loom's); default: same bfloat16")
+    parser.add_argument("--no-int8", action="store_true")
+    args = parser.parse_args()
+    prompt_lens = args.prompt_lens or [512, 2048]
+    max_tokens = args.max_tokens or (32 if args.quick else 128)
+    repeats = args.repeats or (1 if args.quick else 3)
+
+    engine = c.make_engine(args)
+    dtype = engine.config.dtype
+    prompts = {n: c.prompt_token_ids(engine.tokenizer, n, seed=n) for n in prompt_lens}
+    runners: list[tuple[str, Callable[[], Runner | None]]] = [
+        (f"loom {dtype}", lambda: loom_runner(engine)),
+    ]
+    if not args.no_int8:
+        runners.append(("loom int8", lambda: _int8(args)))
+    if not args.no_hf:
+        for hf_dtype in dict.fromkeys(args.hf_dtypes or ["same", "bfloat16"]):
+            hf_dtype = dtype if hf_dtype == "same" else hf_dtype
+            runners.append((f"transformers {hf_dtype}", lambda d=hf_dtype: _hf(args, d)))
+    else:
+        c.log("transformers: skipped (--no-hf)")
+    if not args.no_llama_cpp:
+        n_ctx = max(prompt_lens) + max_tokens + 64
+        runners.append(("llama.cpp Q4_K_M", lambda: _llama(args, n_ctx)))
+    else:
+        c.log("llama.cpp: skipped (--no-llama-cpp)")
+
+    results: dict[str, dict[str, Any]] = {}
+    skipped: list[str] = []
+    for label, make in runners:
+        run = make()
+        if run is None:
+            skipped.append(label)
+            continue
+        results[label] = {}
+        for n, prompt in prompts.items():
+            c.log(f"{label}: prompt {n}, {max_tokens} tokens, {repeats} repeat(s)")
+            results[label][str(n)] = measure(run, prompt, max_tokens, repeats)
+        del run
+    base = f"loom {dtype}"
+    ratios = {
+        peer: {
+            n: {
+                "ttft_peer_over_loom": c.ratio(r[n]["ttft_ms"], results[base][n]["ttft_ms"]),
+                "decode_loom_over_peer": c.ratio(
+                    results[base][n]["decode_tok_s"], r[n]["decode_tok_s"]
+                ),
+            }
+            for n in r
+        }
+        for peer, r in results.items()
+        if peer != base
+    }
+    sizes = f"prompts {prompt_lens} tokens, {max_tokens} generated, median of {repeats}"
+    result = c.header(NAME, args, dtype=dtype, sizes_note=sizes, prompt_lens=prompt_lens,
+                      max_tokens=max_tokens, repeats=repeats, results=results, ratios=ratios,
+                      skipped=skipped)
+    c.finish(NAME, TITLE, result, _doc_body(result, base), args.no_doc)
+
+
+def _int8(args: Any) -> Runner | None:
+    engine = c.try_int8_engine(args)
+    return None if engine is None else loom_runner(engine)
+
+
+def _hf(args: Any, dtype: str) -> Runner | None:
+    loaded = c.load_hf(args.model, dtype)
+    return None if loaded is None else hf_runner(*loaded)
+
+
+def _llama(args: Any, n_ctx: int) -> Runner | None:
+    llm = c.load_llama_cpp(args.model, n_ctx, args.threads)
+    return None if llm is None else llama_cpp_runner(llm)
+
+
+def _doc_body(result: dict[str, Any], base: str) -> str:
+    rows = []
+    for label, per_len in result["results"].items():
+        for n, r in per_len.items():
+            rat = result["ratios"].get(label, {}).get(n, {})
+            rows.append([label, n, r["ttft_ms"], r["decode_tok_s"],
+                         rat.get("ttft_peer_over_loom"), rat.get("decode_loom_over_peer")])
+    table = c.markdown_table(
+        ["engine", "prompt tokens", "TTFT ms", "decode tok/s",
+         f"TTFT peer/{base}", f"decode {base}/peer"],
+        rows,
+    )
+    notes = "".join(f"\n- {s}: skipped (see the script's output)" for s in result["skipped"])
+    return (f"{table}\n\nRatios above 1 favour Loom.{notes}\n\n"
+            "![latency](bench_latency.png)")
+
+
+if __name__ == "__main__":
+    main()

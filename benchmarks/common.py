@@ -1,0 +1,366 @@
+"""Shared helpers of the benchmark suite: timing, machine facts, results, peers, the doc table.
+
+Every benchmark script prints its results as JSON, writes them to
+`benchmarks/results/<name>.json` and replaces its own section of `docs/performance.md`
+(between `<!-- bench:<name> -->` markers), so re-running one script refreshes one table.
+
+Peers are optional: `load_hf` and `load_llama_cpp` return None (and print why) when the
+package is missing, and the benchmark reports that peer as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import random
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+PERF_DOC = ROOT / "docs" / "performance.md"
+DEFAULT_MODEL = "gemma3-270m"
+
+if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(ROOT))
+
+_DOC_HEADER = """# Performance
+
+Numbers produced by the scripts in `benchmarks/` (`make bench`, or
+`python benchmarks/run_all.py --quick` for small sizes). Each section is rewritten by the
+script named in it; raw results are in `benchmarks/results/*.json` and the plots are made
+by `python benchmarks/plot.py`. Peers run in the same process and on the same weights:
+HF `transformers` (same GGUF, dequantised, same dtype unless the table says otherwise) and
+llama.cpp through `llama-cpp-python` (the same Q4_K_M GGUF file, run quantised as llama.cpp
+does). On a shared machine timings are noisy: compare ratios measured in one run.
+"""
+
+
+# ---- timing --------------------------------------------------------------------------
+
+
+def now() -> float:
+    """Seconds from a monotonic high-resolution clock."""
+    return time.perf_counter()
+
+
+def median(values: Sequence[float]) -> float:
+    """The median of a non-empty sequence."""
+    return float(statistics.median(values))
+
+
+def time_call(fn: Callable[[], Any], warmup: int = 1, repeats: int = 3) -> dict[str, Any]:
+    """Run `fn` `warmup` times untimed, then `repeats` times: median, min and every time (s)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = now()
+        fn()
+        times.append(now() - start)
+    return {"median_s": median(times), "min_s": min(times), "times_s": times}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b rounded, or None when either is missing or b is zero."""
+    if a is None or b is None or b == 0:
+        return None
+    return round(a / b, 3)
+
+
+# ---- machine and arguments -----------------------------------------------------------
+
+
+def cpu_model() -> str:
+    """The CPU model name from /proc/cpuinfo (or platform's guess)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info() -> dict[str, Any]:
+    """Cores, CPU model, torch version and threads, and which peers are installed."""
+    import torch
+
+    info: dict[str, Any] = {
+        "cores": os.cpu_count(),
+        "cpu": cpu_model(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    for name, module in (("transformers", "transformers"), ("llama_cpp", "llama_cpp")):
+        try:
+            info[name] = __import__(module).__version__
+        except ImportError:
+            info[name] = None
+    return info
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """Arguments every benchmark takes: model, dtype, peers, repeats, --quick, --no-doc."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="Loom model name or path")
+    parser.add_argument("--dtype", default="auto", help="Loom dtype (auto/float32/bfloat16)")
+    parser.add_argument("--device", default="auto", help="Loom device (auto/cpu/cuda)")
+    parser.add_argument("--quick", action="store_true", help="small sizes (a few minutes)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats (median)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads")
+    parser.add_argument("--no-hf", action="store_true", help="skip HF transformers")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
+    parser.add_argument("--no-doc", action="store_true", help="do not update performance.md")
+    return parser
+
+
+def command_line() -> str:
+    """The command that is running, as a user would type it from the repository root."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        script_s = str(script.relative_to(ROOT))
+    except ValueError:
+        script_s = str(script)
+    return " ".join(["python", script_s, *sys.argv[1:]])
+
+
+def log(message: str) -> None:
+    """Progress and skip notes go to stderr, so stdout holds only the JSON result."""
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---- prompts -------------------------------------------------------------------------
+
+_TEXT = (
+    "The old lighthouse keeper climbed the spiral stairs every evening, counting the steps "
+    "as his father had taught him. From the top he could see the harbour, the fishing boats "
+    "returning with their nets, and the long line of hills beyond the town. He wrote in his "
+    "logbook the direction of the wind, the colour of the sky and the names of the ships that "
+    "passed. Some nights the fog rolled in so thick that the beam of the lamp seemed to stop "
+    "a few metres from the glass, and he would sound the horn until dawn. "
+)
+
+
+def prompt_token_ids(tokenizer: Any, num_tokens: int, seed: int = 0) -> list[int]:
+    """A deterministic prompt of exactly `num_tokens` ids (BOS first) of natural English.
+
+    The same ids are fed to every engine, so all of them compute the same sequence.
+    """
+    rng = random.Random(seed)
+    body = tokenizer.encode(_TEXT, add_special_tokens=False)
+    ids = [tokenizer.encode("", add_special_tokens=True)[0]] if num_tokens > 0 else []
+    while len(ids) < num_tokens:
+        start = rng.randrange(len(body))
+        ids.extend(body[start:] + body[:start])
+    return ids[:num_tokens]
+
+
+def model_path(model: str) -> Path:
+    """The GGUF file (or folder) behind a Loom model name."""
+    from loom.loader.resolve import resolve_model_path
+
+    return resolve_model_path(model)
+
+
+# ---- peers ---------------------------------------------------------------------------
+
+
+def hf_dtype_name(loom_dtype: str) -> str:
+    """The torch dtype name HF should use to match Loom's resolved dtype."""
+    return {"bf16": "bfloat16", "fp32": "float32"}.get(loom_dtype, loom_dtype)
+
+
+def load_hf(model: str, dtype: str, device: str = "cpu") -> tuple[Any, Any] | None:
+    """(model, tokenizer) of HF transformers on the same weights, or None (printed why)."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        log("transformers: skipped (not installed; pip install 'loom-llm[bench]')")
+        return None
+    path = model_path(model)
+    folder, kwargs = (path.parent, {"gguf_file": path.name}) if path.is_file() else (path, {})
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(folder), **kwargs)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=getattr(torch, dtype), **kwargs
+        )
+    except Exception as exc:  # a peer failing to load must not stop the benchmark
+        log(f"transformers: skipped (could not load {path.name}: {exc})")
+        return None
+    hf.to(device).eval()
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return hf, tok
+
+
+def load_llama_cpp(model: str, n_ctx: int, threads: int, n_batch: int = 512) -> Any | None:
+    """A `llama_cpp.Llama` on the same GGUF file, or None (printed why)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        log("llama.cpp: skipped (llama-cpp-python not installed; pip install llama-cpp-python)")
+        return None
+    path = model_path(model)
+    if not path.is_file() or path.suffix != ".gguf":
+        log(f"llama.cpp: skipped ({path} is not a GGUF file)")
+        return None
+    try:
+        return llama_cpp.Llama(
+            model_path=str(path),
+            n_ctx=n_ctx,
+            n_batch=n_batch,
+            n_ubatch=n_batch,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
+    except Exception as exc:
+        log(f"llama.cpp: skipped (could not load {path.name}: {exc})")
+        return None
+
+
+def llama_cpp_truncate(llm: Any, num_tokens: int) -> None:
+    """Drop llama.cpp's cached tokens past `num_tokens` (KV and its token record)."""
+    llm.n_tokens = num_tokens
+    llm._ctx.kv_cache_seq_rm(-1, num_tokens, -1)
+
+
+def llama_cpp_last_argmax(llm: Any) -> int:
+    """The greedy token after what llama.cpp evaluated last."""
+    import numpy as np
+
+    return int(np.argmax(llm._scores[-1]))
+
+
+class TimestampStreamer:
+    """An HF `generate` streamer that records when each new token arrives."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: Any) -> None:
+        """Called by `generate` with the prompt first, then with every new token."""
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.times.append(now())
+
+    def end(self) -> None:
+        """Called once at the end of generation."""
+
+
+# ---- results -------------------------------------------------------------------------
+
+
+def write_results(name: str, result: dict[str, Any]) -> Path:
+    """Print the JSON to stdout and write it to benchmarks/results/<name>.json."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(result, indent=2, default=str)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(text + "\n")
+    print(text, flush=True)
+    return path
+
+
+def header(name: str, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
+    """The common head of a result: benchmark, command, date, machine, model, sizes."""
+    return {
+        "benchmark": name,
+        "command": command_line(),
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "model": args.model,
+        "quick": bool(getattr(args, "quick", False)),
+        **extra,
+    }
+
+
+def fmt(value: Any, digits: int = 2) -> str:
+    """A table cell: numbers rounded, None as an em dash."""
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub markdown table."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    lines += ["| " + " | ".join(fmt(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def update_doc(name: str, title: str, result: dict[str, Any], body: str) -> None:
+    """Replace (or append) this benchmark's section of docs/performance.md."""
+    m = result["machine"]
+    meta = (
+        f"`{result['command']}` — {result['date']}  \n"
+        f"Machine: {m['cores']} cores, {m['cpu']}, torch {m['torch']} "
+        f"({m['torch_threads']} threads)"
+        + (f", CUDA {m['cuda']}" if m.get("cuda") else "")
+        + f"; transformers {m['transformers'] or 'not installed'}, "
+        f"llama-cpp-python {m['llama_cpp'] or 'not installed'}.  \n"
+        f"Model: `{result['model']}`; Loom dtype: {result.get('dtype', '?')}; "
+        f"sizes: {result.get('sizes_note', '')}"
+    )
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    section = f"{start}\n## {title}\n\n{meta}\n\n{body.strip()}\n{end}"
+    text = PERF_DOC.read_text() if PERF_DOC.exists() else _DOC_HEADER
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.DOTALL)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section, text)
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    PERF_DOC.parent.mkdir(parents=True, exist_ok=True)
+    PERF_DOC.write_text(text)
+    log(f"updated {PERF_DOC.relative_to(ROOT)} (section {name})")
+
+
+def finish(name: str, title: str, result: dict[str, Any], body: str, no_doc: bool) -> None:
+    """Write the JSON result and, unless disabled, the doc section."""
+    write_results(name, result)
+    if not no_doc:
+        update_doc(name, title, result, body)
+
+
+# ---- Loom ----------------------------------------------------------------------------
+
+
+def make_engine(args: argparse.Namespace, **kwargs: Any) -> Any:
+    """An `LLMEngine` for the benchmark's model, dtype and device."""
+    from loom import EngineArgs, LLMEngine
+
+    engine_args = EngineArgs(model=args.model, dtype=args.dtype, device=args.device, **kwargs)
+    return LLMEngine.from_engine_args(engine_args)
+
+
+def try_int8_engine(args: argparse.Namespace, **kwargs: Any) -> Any | None:
+    """An int8 engine if `EngineArgs(quantization="int8")` is accepted, else None (printed)."""
+    try:
+        return make_engine(args, quantization="int8", **kwargs)
+    except Exception as exc:
+        log(f"loom int8: skipped (quantization='int8' not accepted: {exc})")
+        return None
+
+
+def settle(engine: Any, on_step: Callable[[], None] | None = None) -> None:
+    """Step the engine until nothing waits or runs (paused sessions do not count)."""
+    while engine.has_unfinished_requests():
+        engine.step()
+        if on_step is not None:
+            on_step()
