@@ -259,26 +259,18 @@ class LLMEngine(SessionOps, TreeOps):
         forever; everything else keeps its state."""
         if self.scheduler.running or not self.scheduler.waiting:
             return []
-        seq = self._seqs[self.scheduler.waiting[0].request_id]
-        group = seq.group_id
-        roots = [self._seqs[s] for s in self._groups[group] if self._seqs[s].parent_id is None]
+        group = self._seqs[self.scheduler.waiting[0].request_id].group_id
         error = (
             f"request {group!r} cannot be scheduled: it needs more KV blocks than are free "
             f"({self.num_free_blocks} of {self.config.num_kv_blocks}); the rest are held by "
             "pinned sessions or blocked sequences"
         )
-        for root in roots:
-            root.finish_reason = "error"
-        out = RequestOutput(
-            request_id=group,
-            prompt=roots[0].prompt,
-            prompt_token_ids=roots[0].prompt_token_ids,
-            outputs=[r.completion() for r in roots],
-            finished=True,
-            error=error,
-        )
-        self._end_group(group, "failed", RequestStatus.FINISHED_ERROR)
-        return [out]
+        for seq_id in self._groups[group]:
+            seq = self._seqs[seq_id]
+            if not seq.request.is_finished:
+                seq.finish_reason = "error"
+                self.scheduler.finish(seq_id, RequestStatus.FINISHED_ERROR)
+        return [self._group_output(group, error)]
 
     def _end_segment(self, seq: SequenceState, status: RequestStatus) -> None:
         """A plain sequence finishes; a session keeps its KV and computes its pending token."""
@@ -291,7 +283,8 @@ class LLMEngine(SessionOps, TreeOps):
         seq.request.sample_when_computed = False
         seq.last_logits = None
 
-    def _group_output(self, request_id: str) -> RequestOutput:
+    def _group_output(self, request_id: str, error: str | None = None) -> RequestOutput:
+        """The request's output now (its n sequences and its tree); ends it when all finished."""
         seqs = [self._seqs[s] for s in self._groups[request_id]]
         finished = all(s.request.is_finished for s in seqs)
         roots = [s for s in seqs if s.parent_id is None]
@@ -302,9 +295,11 @@ class LLMEngine(SessionOps, TreeOps):
             outputs=[s.completion() for s in roots],
             finished=finished,
             children=[c for s in roots for c in self._child_outputs(s)],
+            error=error,
         )
         if finished:
-            self._end_group(request_id, "finished", RequestStatus.FINISHED_STOPPED)
+            reason = "failed" if error else "finished"
+            self._end_group(request_id, reason, RequestStatus.FINISHED_STOPPED)
         return out
 
     def _expire_idle_sessions(self) -> None:

@@ -213,3 +213,19 @@ def test_expired_sessions_are_freed(tiny_models):
     with pytest.raises(SessionClosedError, match="expired"):
         engine.get_session("s")
     assert engine.kv_pool_all_free
+
+
+def test_request_that_cannot_fit_beside_pinned_sessions_fails_clearly(tiny_models):
+    folder, hf = tiny_models["llama"]
+    engine = make_engine(folder, num_kv_blocks=12, max_num_batched_tokens=64)
+    engine.add_request("pinned", prompt_ids(30), session=True, pin=True)
+    settle(engine)
+    engine.add_request("big", prompt_ids(30, 1), SamplingParams(max_tokens=4))
+    outs = settle(engine)
+    assert outs["big"].finished and outs["big"].outputs[0].finish_reason == "error"
+    assert "cannot be scheduled" in outs["big"].error and "pinned" in outs["big"].error
+    assert engine.get_session("pinned").num_computed_tokens == 30
+    torch.testing.assert_close(engine.get_logits("pinned"), hf_last_logits(hf, prompt_ids(30)),
+                               atol=ATOL, rtol=0)
+    engine.close("pinned")
+    assert engine.kv_pool_all_free
