@@ -12,6 +12,7 @@ __all__ = [
     "LoomError",
     "RequestOutput",
     "SamplingParams",
+    "SpecialKwargs",
 ]
 __version__ = "0.1.0"
 
@@ -33,6 +34,10 @@ def __getattr__(name: str):
         from loom.engine.config import EngineArgs
 
         return EngineArgs
+    if name == "SpecialKwargs":
+        from loom.engine.promise_sync import SpecialKwargs
+
+        return SpecialKwargs
     if name in ("RequestOutput", "CompletionOutput"):
         from loom.engine import outputs
 
