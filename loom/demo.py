@@ -17,8 +17,22 @@ from loom.engine.config import EngineArgs
 from loom.engine.llm_engine import LLMEngine
 from loom.sampling_params import SamplingParams
 
+# A long opening, so that the appends below happen at a context of several hundred tokens,
+# where re-submitting the whole text costs a real prefill and a live append does not.
+PREAMBLE = (
+    "The old storyteller settled by the fire, and the children gathered close. Outside, the "
+    "wind pushed snow against the shutters and the lanterns swayed on their hooks. She told "
+    "them first about the roads: how they wound between the hills, how travellers lost their "
+    "way when the fog came down from the mountains, and how the ferrymen on the grey river "
+    "charged one copper coin in summer and two in winter. She told them about the markets, "
+    "where merchants sold salt, wool, dried fish and bright ribbons, and where every story "
+    "worth hearing was first whispered between the stalls. She told them about the castle on "
+    "the cliff, whose towers had stood for three hundred years, and about the library at its "
+    "heart, where the shelves reached so high that the librarians used ladders on wheels. "
+    "Then she lowered her voice, because the real story was about to begin.\n\n"
+)
 TEMPLATE = [
-    "Once upon a time, in a kingdom called",
+    PREAMBLE + "Once upon a time, in a kingdom called",
     ", there lived a",
     " who loved nothing more than",
     ". Every morning, the",
@@ -26,7 +40,7 @@ TEMPLATE = [
     ". One day, a stranger arrived carrying a",
     ", and said: \"",
 ]
-FILL = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=5, stop=["\n", ".", ","])
+FILL = SamplingParams(temperature=0.7, top_k=40, seed=7, max_tokens=4, stop=["\n", ".", ","])
 
 
 @dataclass
@@ -63,7 +77,7 @@ def run_madlibs(engine: LLMEngine) -> list[AppendTiming]:
     timings: list[AppendTiming] = []
     engine.add_request("story", TEMPLATE[0], session=True)
     _settle(engine)
-    print(TEMPLATE[0], end="", flush=True)
+    print(_paint(PREAMBLE, "2") + TEMPLATE[0][len(PREAMBLE) :], end="", flush=True)
     for k, fragment in enumerate([*TEMPLATE[1:], None]):
         before = engine.get_session("story")
         engine.resume("story", FILL)
