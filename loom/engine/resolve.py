@@ -12,7 +12,7 @@ from loom.core.scheduler import SchedulerConfig
 from loom.engine.config import EngineArgs, EngineConfig
 from loom.errors import InvalidRequestError
 from loom.loader.resolve import resolve_model_path
-from loom.runner.loading import build_model
+from loom.runner.loading import QUANTIZATIONS, build_model
 from loom.runner.model_runner import ModelRunner, kv_cache_bytes_per_block
 from loom.tokenizer import Tokenizer, load_tokenizer
 
@@ -74,9 +74,13 @@ def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tok
     tokenizer_path = resolve_model_path(args.tokenizer) if args.tokenizer else model_path
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    if args.quantization is not None:
-        raise InvalidRequestError(f"unsupported quantization {args.quantization!r}")
-    model_config, model = build_model(model_path, torch_dtype(dtype), torch.device(device))
+    if args.quantization not in (None, *QUANTIZATIONS):
+        raise InvalidRequestError(
+            f"unsupported quantization {args.quantization!r}; choose one of {QUANTIZATIONS}"
+        )
+    model_config, model = build_model(
+        model_path, torch_dtype(dtype), torch.device(device), args.quantization
+    )
     if args.num_kv_blocks is not None:
         num_blocks = args.num_kv_blocks
     else:

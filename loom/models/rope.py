@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from loom.attention.context import get_forward_context
 from loom.errors import UnsupportedModelError
 
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -90,6 +91,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, spec: RopeSpec) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.spec = spec
         # Plain attribute (not a buffer): survives meta-device construction and weight loads.
         self._inv_freq = inverse_frequencies(spec, head_dim)
 
@@ -104,8 +106,16 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q and k by their positions."""
-        cos, sin = self.cos_sin(positions, q.dtype)
+        """Rotate q and k by their positions (tables shared by all layers of a step)."""
+        try:
+            plan_cache = get_forward_context().metadata.plan_cache
+        except RuntimeError:
+            plan_cache = {}
+        key = ("rope", self.spec, self.head_dim, q.dtype, id(positions))
+        tables = plan_cache.get(key)
+        if not isinstance(tables, tuple):
+            tables = plan_cache[key] = self.cos_sin(positions, q.dtype)
+        cos, sin = tables
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -9,13 +9,28 @@ import torch
 from loom.loader import load_model_files, resolve_model_path
 from loom.models.base import CausalLM
 from loom.models.config import ModelConfig
+from loom.models.quant import quantize_model_int8
 from loom.models.registry import get_model_class
+
+QUANTIZATIONS = ("int8",)
 
 
 def build_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    quantization: str | None = None,
 ) -> tuple[ModelConfig, CausalLM]:
-    """Resolve `path` (alias, HF folder or .gguf), construct the model and load its weights."""
+    """Resolve `path` (alias, HF folder or .gguf), construct the model and load its weights.
+
+    `quantization="int8"` loads in float32, turns every linear layer (and the output
+    projection) into weight-only int8, then casts the remaining parameters to `dtype`.
+    """
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"unsupported quantization {quantization!r}; known: {QUANTIZATIONS}")
+    final_dtype = dtype
+    if quantization is not None:
+        dtype = torch.float32
     resolved = resolve_model_path(path)
     hf_config, weights, _source = load_model_files(resolved, dtype=dtype)
     architectures = hf_config.get("architectures") or ["<missing 'architectures'>"]
@@ -28,5 +43,9 @@ def build_model(
     if model.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.load_weights(weights)
+    if quantization == "int8":
+        quantize_model_int8(model)
+        for param in model.parameters():
+            param.data = param.data.to(final_dtype)
     model.eval()
     return config, model

@@ -1,0 +1,67 @@
+"""Weight-only int8: layers stay close to float32, rows are batch invariant, greedy mostly equal."""
+
+from __future__ import annotations
+
+import torch
+from tiny_models import TinyModel, chunk
+
+from loom.models.quant import Int8Linear, quantize_weight_int8
+from loom.runner import ModelRunner, build_model
+
+
+def _prompt(n: int, seed: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def test_quantize_weight_round_trip_error_is_half_a_step() -> None:
+    w = torch.randn(64, 96)
+    w_int8, scales = quantize_weight_int8(w)
+    assert w_int8.dtype == torch.int8 and scales.dtype == torch.bfloat16
+    err = (w_int8.float() * scales.float()[:, None] - w).abs()
+    assert bool((err <= scales.float()[:, None] * 0.51).all())
+
+
+def test_int8_linear_close_and_batch_invariant() -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(96, 48, bias=True)
+    q = Int8Linear(lin.weight, lin.bias)
+    x = torch.randn(7, 96)
+    y = q(x)
+    ref = torch.nn.functional.linear(x, q.dequantized_weight(), lin.bias)
+    torch.testing.assert_close(y, ref, atol=0.05, rtol=0.02)
+    # A row's result does not depend on the other rows of the call.
+    assert torch.equal(q(x[2:3]), y[2:3])
+
+
+def _int8_runner(tiny_model: TinyModel) -> ModelRunner:
+    config, model = build_model(tiny_model.path, torch.float32, quantization="int8")
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    return ModelRunner(config, model, "cpu", torch.float32, 64, 4)
+
+
+def _prefill_then_decode(runner: ModelRunner, tokens: list[int], split: int) -> torch.Tensor:
+    """Logits of a one-chunk prefill of tokens[:split], then of each decode step after it."""
+    total = len(tokens)
+    out = [runner.execute([chunk("a", tokens[:split], 0, total, seq=0)])]
+    for p in range(split, total):
+        out.append(runner.execute([chunk("a", [tokens[p]], p, total, seq=0)]))
+    return torch.cat(out)
+
+
+def test_int8_logits_close_to_float32(tiny_model: TinyModel) -> None:
+    """Prefill + decode logits of the int8 model stay near float32's; argmax mostly equal."""
+    tokens = _prompt(24, 3, tiny_model.loom_config.vocab_size)
+    ref = _prefill_then_decode(tiny_model.runner(), tokens, 16)
+    got = _prefill_then_decode(_int8_runner(tiny_model), tokens, 16)
+    assert float((got - ref).abs().max()) < 0.05 * float(ref.abs().max())
+    agree = int((got.argmax(-1) == ref.argmax(-1)).sum())
+    assert agree >= ref.shape[0] - 2, f"{tiny_model.name}: argmax agrees on {agree}/{ref.shape[0]}"
+
+
+def test_int8_embedding_lookup_stays_exact(tiny_model: TinyModel) -> None:
+    """A tied output projection is quantised on its own copy; the embedding keeps float32."""
+    _, model = build_model(tiny_model.path, torch.float32, quantization="int8")
+    ref = tiny_model.loom_model.model.embed_tokens.weight
+    assert torch.equal(model.model.embed_tokens.weight, ref)
+    assert isinstance(model.lm_head, Int8Linear)
