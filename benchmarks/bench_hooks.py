@@ -119,11 +119,14 @@ def run_separate(engine: Any, parent: list[int], args: Any, promise: int,
 def main() -> None:
     """Parse arguments, run both ways on one engine, report."""
     parser = c.base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--parent-tokens", type=int, default=1000)
+    parser.add_argument("--parent-tokens", type=int, default=None, help="1000 (quick 512)")
     parser.add_argument("--children", type=int, default=None, help="default 8 (quick 4)")
     parser.add_argument("--child-tokens", type=int, default=None, help="default 32 (quick 8)")
     parser.add_argument("--tail-tokens", type=int, default=8)
     args = parser.parse_args()
+    if args.doc_only:
+        return c.rerender(NAME, TITLE, render)
+    args.parent_tokens = args.parent_tokens or (512 if args.quick else 1000)
     args.children = args.children or (4 if args.quick else 8)
     args.child_tokens = args.child_tokens or (8 if args.quick else 32)
     args.repeats = args.repeats or 1
@@ -174,16 +177,22 @@ def main() -> None:
                       results={"hook": hook, "separate": separate}, ratios=ratios,
                       children_match_separate=same, runs={"hook": hook_runs,
                                                           "separate": sep_runs})
+    c.finish(NAME, TITLE, result, render, args.no_doc)
+
+
+def render(result: dict[str, Any]) -> str:
+    """The doc section's body: the two ways and their ratio."""
+    hook, separate = result["results"]["hook"], result["results"]["separate"]
+    ratios, same = result["ratios"], result["children_match_separate"]
     rows = [["promise/sync hook (shared KV)", hook["time_s"], hook["peak_blocks"]],
             ["separate requests (full context each)", separate["time_s"],
              separate["peak_blocks"]],
             ["separate / hook", ratios["time_separate_over_hook"],
              ratios["blocks_separate_over_hook"]]]
     table = c.markdown_table(["way", "wall s", "peak KV blocks"], rows)
-    body = (f"{table}\n\nChildren's texts equal to the separate requests' (greedy): "
+    return (f"{table}\n\nChildren's texts equal to the separate requests' (greedy): "
             f"{sum(same)}/{len(same)}. Loom only: the peers have no fork/join of KV."
             "\n\n![hooks](bench_hooks.png)")
-    c.finish(NAME, TITLE, result, body, args.no_doc)
 
 
 if __name__ == "__main__":

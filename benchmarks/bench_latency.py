@@ -43,7 +43,7 @@ def loom_runner(engine: Any) -> Runner:
     return run
 
 
-def hf_runner(hf: Any, tok: Any) -> Runner:
+def hf_runner(hf: Any) -> Runner:
     """HF `generate` (greedy, EOS ignored) with a streamer that timestamps each token."""
     import torch
 
@@ -60,7 +60,7 @@ def hf_runner(hf: Any, tok: Any) -> Runner:
                 do_sample=False,
                 top_p=None,
                 top_k=None,
-                pad_token_id=tok.pad_token_id,
+                pad_token_id=c.hf_pad_id(hf),
                 streamer=streamer,
             )
         return start, streamer.times
@@ -108,11 +108,13 @@ def main() -> None:
     parser.add_argument("--prompt-lens", type=int, nargs="+", default=None)
     parser.add_argument("--max-tokens", type=int, default=None, help="decode length (128)")
     parser.add_argument("--hf-dtypes", nargs="+", default=None,
-                        help="HF dtypes ('same' = Loom's); default: same bfloat16")
+                        help="HF dtypes ('same' = Loom's); default: same bfloat16 (quick: same)")
     parser.add_argument("--no-int8", action="store_true")
     args = parser.parse_args()
+    if args.doc_only:
+        return c.rerender(NAME, TITLE, render)
     prompt_lens = args.prompt_lens or [512, 2048]
-    max_tokens = args.max_tokens or (32 if args.quick else 128)
+    max_tokens = args.max_tokens or (16 if args.quick else 128)
     repeats = args.repeats or (1 if args.quick else 3)
 
     engine = c.make_engine(args)
@@ -124,16 +126,17 @@ def main() -> None:
     if not args.no_int8:
         runners.append(("loom int8", lambda: _int8(args)))
     if not args.no_hf:
-        for hf_dtype in dict.fromkeys(args.hf_dtypes or ["same", "bfloat16"]):
+        default_dtypes = ["same"] if args.quick else ["same", "bfloat16"]
+        for hf_dtype in dict.fromkeys(args.hf_dtypes or default_dtypes):
             hf_dtype = dtype if hf_dtype == "same" else hf_dtype
             runners.append((f"transformers {hf_dtype}", lambda d=hf_dtype: _hf(args, d)))
     else:
-        c.log("transformers: skipped (--no-hf)")
+        c.skip("transformers: skipped (--no-hf)")
     if not args.no_llama_cpp:
         n_ctx = max(prompt_lens) + max_tokens + 64
         runners.append(("llama.cpp Q4_K_M", lambda: _llama(args, n_ctx)))
     else:
-        c.log("llama.cpp: skipped (--no-llama-cpp)")
+        c.skip("llama.cpp: skipped (--no-llama-cpp)")
 
     results: dict[str, dict[str, Any]] = {}
     skipped: list[str] = []
@@ -165,7 +168,7 @@ def main() -> None:
     result = c.header(NAME, args, dtype=dtype, sizes_note=sizes, prompt_lens=prompt_lens,
                       max_tokens=max_tokens, repeats=repeats, results=results, ratios=ratios,
                       skipped=skipped)
-    c.finish(NAME, TITLE, result, _doc_body(result, base), args.no_doc)
+    c.finish(NAME, TITLE, result, render, args.no_doc)
 
 
 def _int8(args: Any) -> Runner | None:
@@ -174,8 +177,8 @@ def _int8(args: Any) -> Runner | None:
 
 
 def _hf(args: Any, dtype: str) -> Runner | None:
-    loaded = c.load_hf(args.model, dtype)
-    return None if loaded is None else hf_runner(*loaded)
+    hf = c.load_hf(args.model, dtype)
+    return None if hf is None else hf_runner(hf)
 
 
 def _llama(args: Any, n_ctx: int) -> Runner | None:
@@ -183,7 +186,9 @@ def _llama(args: Any, n_ctx: int) -> Runner | None:
     return None if llm is None else llama_cpp_runner(llm)
 
 
-def _doc_body(result: dict[str, Any], base: str) -> str:
+def render(result: dict[str, Any]) -> str:
+    """The doc section's body: one row per engine and prompt length."""
+    base = f"loom {result['dtype']}"
     rows = []
     for label, per_len in result["results"].items():
         for n, r in per_len.items():
@@ -195,8 +200,9 @@ def _doc_body(result: dict[str, Any], base: str) -> str:
          f"TTFT peer/{base}", f"decode {base}/peer"],
         rows,
     )
-    notes = "".join(f"\n- {s}: skipped (see the script's output)" for s in result["skipped"])
-    return (f"{table}\n\nRatios above 1 favour Loom.{notes}\n\n"
+    notes = c.skip_notes_md(result)
+    return (f"{table}\n\nRatios above 1 favour Loom. Decode tok/s is measured after the "
+            f"prompt, so at the longer prompt it includes attention over that context.{notes}\n\n"
             "![latency](bench_latency.png)")
 
 

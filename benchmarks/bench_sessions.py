@@ -121,13 +121,15 @@ def main() -> None:
     parser = c.base_parser(__doc__.splitlines()[0])
     parser.add_argument("--num-sessions", type=int, default=None, help="default 8 (quick 2)")
     parser.add_argument("--contexts", type=int, nargs="+", default=None,
-                        help="default 256 512 1024 2048 4096 (quick: up to 2048)")
+                        help="default 256 512 1024 2048 4096 (quick: up to 1024)")
     parser.add_argument("--append-tokens", type=int, default=16)
     parser.add_argument("--resubmit-max", type=int, default=None,
                         help="re-submit only up to this context (default: all)")
     args = parser.parse_args()
+    if args.doc_only:
+        return c.rerender(NAME, TITLE, render)
     args.num_sessions = args.num_sessions or (2 if args.quick else 8)
-    args.contexts = sorted(args.contexts or ([256, 512, 1024, 2048] if args.quick
+    args.contexts = sorted(args.contexts or ([256, 512, 1024] if args.quick
                                              else [256, 512, 1024, 2048, 4096]))
     args.repeats = args.repeats or (1 if args.quick else 2)
     max_len = max(args.contexts) + args.append_tokens
@@ -146,14 +148,14 @@ def main() -> None:
     assert engine.kv_pool_all_free, "sessions leaked KV blocks"
     del engine
 
-    loaded = None if args.no_hf else c.load_hf(args.model, dtype)
-    if loaded is None:
+    hf = c.load_hf(args.model, dtype, disabled=args.no_hf)
+    if hf is None:
         skipped.append("transformers")
     else:
-        results["transformers"] = run_hf(loaded[0], streams[0], append, args)
-        del loaded
-    llm = (None if args.no_llama_cpp
-           else c.load_llama_cpp(args.model, max_len + 32, args.threads))
+        results["transformers"] = run_hf(hf, streams[0], append, args)
+        del hf
+    llm = c.load_llama_cpp(args.model, max_len + 32, args.threads,
+                           disabled=args.no_llama_cpp)
     if llm is None:
         skipped.append("llama.cpp")
     else:
@@ -167,10 +169,11 @@ def main() -> None:
     result = c.header(NAME, args, dtype=dtype, sizes_note=sizes, contexts=args.contexts,
                       num_sessions=args.num_sessions, append_tokens=args.append_tokens,
                       results=results, summary=summary, skipped=skipped)
-    c.finish(NAME, TITLE, result, _doc_body(result), args.no_doc)
+    c.finish(NAME, TITLE, result, render, args.no_doc)
 
 
-def _doc_body(result: dict[str, Any]) -> str:
+def render(result: dict[str, Any]) -> str:
+    """The doc section's body: one row per context length."""
     res = result["results"]
     rows = []
     for n in map(str, result["contexts"]):
@@ -181,14 +184,18 @@ def _doc_body(result: dict[str, Any]) -> str:
                      hf, lc, c.ratio(lm["live_ms"], hf), c.ratio(lm["live_ms"], lc)])
     table = c.markdown_table(
         ["context", "Loom live append ms", "Loom re-submit ms", "live/re-submit",
-         "HF DynamicCache append ms", "llama.cpp append ms", "Loom/HF", "Loom/llama.cpp"],
+         "HF DynamicCache append ms", "llama.cpp append ms", "Loom/HF time",
+         "Loom/llama.cpp time"],
         rows,
     )
     growth = result["summary"]["loom_live_growth"]
-    notes = "".join(f"\n- {s}: skipped (see the script's output)" for s in result["skipped"])
+    notes = c.skip_notes_md(result)
     return (f"{table}\n\nAppends of {result['append_tokens']} tokens, times in ms (lower is "
-            f"better). Loom's live append grows {fmt_x(growth)} from the shortest to the "
-            f"longest context.{notes}\n\n![sessions](bench_sessions.png)")
+            "better; time ratios below 1 favour Loom). Loom's live append grows "
+            f"{fmt_x(growth)} from the shortest to the longest context; `live/re-submit` is "
+            "the share of a fresh request's cost that a live append pays. Each Loom append is "
+            "rewound afterwards (`rewind` recomputes one token, counted in the JSON's "
+            f"`num_recomputed_tokens`).{notes}\n\n![sessions](bench_sessions.png)")
 
 
 def fmt_x(value: float | None) -> str:

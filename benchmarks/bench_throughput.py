@@ -49,20 +49,24 @@ def run_loom(llm: Any, work: list[tuple[list[int], int]]) -> dict[str, Any]:
     return _rates(work, elapsed)
 
 
-def run_hf(hf: Any, tok: Any, work: list[tuple[list[int], int]], batch: int) -> dict[str, Any]:
+def run_hf(hf: Any, work: list[tuple[list[int], int]], batch: int) -> dict[str, Any]:
     """HF generate in left-padded batches grouped by output length."""
     import torch
 
     order = sorted(range(len(work)), key=lambda i: -work[i][1])
     batches = [order[i : i + batch] for i in range(0, len(order), batch)]
 
+    pad = c.hf_pad_id(hf)
+
     def run_batch(idx: list[int]) -> None:
-        enc = tok.pad({"input_ids": [work[i][0] for i in idx]}, padding=True,
-                      return_tensors="pt")
+        width = max(len(work[i][0]) for i in idx)
+        ids = [[pad] * (width - len(work[i][0])) + work[i][0] for i in idx]  # left padding
+        mask = [[0] * (width - len(work[i][0])) + [1] * len(work[i][0]) for i in idx]
         n_out = max(work[i][1] for i in idx)
         with torch.inference_mode():
-            hf.generate(**enc, max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False,
-                        top_p=None, top_k=None, pad_token_id=tok.pad_token_id)
+            hf.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                        max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False,
+                        top_p=None, top_k=None, pad_token_id=pad)
 
     run_batch(batches[-1][:2])  # warmup
     start = c.now()
@@ -106,14 +110,16 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=None, help="default 64 (quick 8)")
     parser.add_argument("--input-min", type=int, default=None, help="default 64 (quick 32)")
     parser.add_argument("--input-max", type=int, default=None, help="default 512 (quick 128)")
-    parser.add_argument("--output-min", type=int, default=None, help="default 64 (quick 16)")
-    parser.add_argument("--output-max", type=int, default=None, help="default 256 (quick 64)")
+    parser.add_argument("--output-min", type=int, default=None, help="default 64 (quick 8)")
+    parser.add_argument("--output-max", type=int, default=None, help="default 256 (quick 32)")
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--hf-dtype", default="same", help="'same' = Loom's dtype")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.doc_only:
+        return c.rerender(NAME, TITLE, render)
     quick = {"num_prompts": 8, "input_min": 32, "input_max": 128,
-             "output_min": 16, "output_max": 64}
+             "output_min": 8, "output_max": 32}
     full = {"num_prompts": 64, "input_min": 64, "input_max": 512,
             "output_min": 64, "output_max": 256}
     for key, value in (quick if args.quick else full).items():
@@ -134,16 +140,16 @@ def main() -> None:
 
     hf_dtype = dtype if args.hf_dtype == "same" else args.hf_dtype
     label = f"transformers {hf_dtype} (batches of {args.hf_batch_size})"
-    loaded = None if args.no_hf else c.load_hf(args.model, hf_dtype)
-    if loaded is None:
+    hf = c.load_hf(args.model, hf_dtype, disabled=args.no_hf)
+    if hf is None:
         skipped.append(label)
     else:
         c.log(f"{label}: {len(work)} prompts")
-        results[label] = run_hf(*loaded, work, args.hf_batch_size)
-        del loaded
+        results[label] = run_hf(hf, work, args.hf_batch_size)
+        del hf
     label = "llama.cpp Q4_K_M (sequential)"
     n_ctx = args.input_max + args.output_max + 16
-    llm_cpp = None if args.no_llama_cpp else c.load_llama_cpp(args.model, n_ctx, args.threads)
+    llm_cpp = c.load_llama_cpp(args.model, n_ctx, args.threads, disabled=args.no_llama_cpp)
     if llm_cpp is None:
         skipped.append(label)
     else:
@@ -161,13 +167,20 @@ def main() -> None:
                       prompt_tokens=sum(len(p) for p, _ in work),
                       output_tokens=sum(n for _, n in work),
                       results=results, ratios=ratios, skipped=skipped)
+    c.finish(NAME, TITLE, result, render, args.no_doc)
+
+
+def render(result: dict[str, Any]) -> str:
+    """The doc section's body: one row per engine."""
+    base = f"loom {result['dtype']}"
+    ratios = result["ratios"]
     rows = [[k, v["elapsed_s"], v["output_tok_s"], v["total_tok_s"],
-             ratios.get(k, {}).get("output_loom_over_peer")] for k, v in results.items()]
+             ratios.get(k, {}).get("output_loom_over_peer")]
+            for k, v in result["results"].items()]
     table = c.markdown_table(["engine", "wall s", "output tok/s", "total tok/s",
                               f"output {base}/peer"], rows)
-    notes = "".join(f"\n- {s}: skipped (see the script's output)" for s in skipped)
-    body = f"{table}\n\nRatios above 1 favour Loom.{notes}\n\n![throughput](bench_throughput.png)"
-    c.finish(NAME, TITLE, result, body, args.no_doc)
+    return (f"{table}\n\nRatios above 1 favour Loom.{c.skip_notes_md(result)}\n\n"
+            "![throughput](bench_throughput.png)")
 
 
 if __name__ == "__main__":

@@ -34,13 +34,24 @@ if str(ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
 
 _DOC_HEADER = """# Performance
 
-Numbers produced by the scripts in `benchmarks/` (`make bench`, or
-`python benchmarks/run_all.py --quick` for small sizes). Each section is rewritten by the
-script named in it; raw results are in `benchmarks/results/*.json` and the plots are made
-by `python benchmarks/plot.py`. Peers run in the same process and on the same weights:
-HF `transformers` (same GGUF, dequantised, same dtype unless the table says otherwise) and
-llama.cpp through `llama-cpp-python` (the same Q4_K_M GGUF file, run quantised as llama.cpp
-does). On a shared machine timings are noisy: compare ratios measured in one run.
+Numbers produced by the scripts in `benchmarks/`. Each section below is rewritten by the
+script named in it (with the exact command, date and machine); raw results are in
+`benchmarks/results/*.json`; `python benchmarks/plot.py` redraws the PNGs from them.
+
+| script | what it measures |
+|---|---|
+| `bench_latency.py` | time to first token (512- and 2048-token prompts), greedy decode tok/s |
+| `bench_throughput.py` | offline batch of mixed-length prompts: output and total tok/s |
+| `bench_sessions.py` | live append of 16 tokens at growing contexts vs re-submitting |
+| `bench_hooks.py` | `<promise>`/`<sync>` fan-out vs separate requests: time, peak KV blocks |
+| `run_all.py` | all of them, then `plot.py` (`make bench`; `--quick` for small sizes) |
+
+Every script takes `--quick`, `--repeats`, `--no-hf`, `--no-llama-cpp`, `--no-doc` and its
+own size flags (`--help`). Peers run in the same process on the same weights: HF
+`transformers` (the same GGUF, dequantised, at Loom's dtype unless the row says otherwise)
+and llama.cpp through `llama-cpp-python` (the same Q4_K_M file, run quantised as llama.cpp
+does). A peer that is not installed is skipped and listed as such. The machines are shared:
+timings are noisy, so compare the ratios, which are measured within one run.
 """
 
 
@@ -122,6 +133,8 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--no-hf", action="store_true", help="skip HF transformers")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip llama.cpp")
     parser.add_argument("--no-doc", action="store_true", help="do not update performance.md")
+    parser.add_argument("--doc-only", action="store_true",
+                        help="re-render the doc section from the saved JSON; run nothing")
     return parser
 
 
@@ -138,6 +151,22 @@ def command_line() -> str:
 def log(message: str) -> None:
     """Progress and skip notes go to stderr, so stdout holds only the JSON result."""
     print(message, file=sys.stderr, flush=True)
+
+
+# Why peers were skipped in this process; `header` copies them into the result.
+_SKIP_NOTES: list[str] = []
+
+
+def skip(message: str) -> None:
+    """Print a skip line (a peer or variant that did not run) and remember it for the doc."""
+    _SKIP_NOTES.append(message)
+    log(message)
+
+
+def skip_notes_md(result: dict[str, Any]) -> str:
+    """The result's skip lines as a markdown list (empty when nothing was skipped)."""
+    notes = result.get("skip_notes") or [f"{s}: skipped" for s in result.get("skipped", [])]
+    return "\n\nSkipped:\n" + "".join(f"\n- {n}" for n in notes) if notes else ""
 
 
 # ---- prompts -------------------------------------------------------------------------
@@ -181,41 +210,55 @@ def hf_dtype_name(loom_dtype: str) -> str:
     return {"bf16": "bfloat16", "fp32": "float32"}.get(loom_dtype, loom_dtype)
 
 
-def load_hf(model: str, dtype: str, device: str = "cpu") -> tuple[Any, Any] | None:
-    """(model, tokenizer) of HF transformers on the same weights, or None (printed why)."""
+def load_hf(model: str, dtype: str, device: str = "cpu", disabled: bool = False) -> Any | None:
+    """An HF transformers model on the same weights, or None (printed why).
+
+    Only the model is loaded: every engine is fed the same token ids, so HF's tokenizer
+    (slow to convert from GGUF metadata) is not needed.
+    """
+    if disabled:
+        skip("transformers: skipped (--no-hf)")
+        return None
     try:
         import torch
         import transformers
     except ImportError:
-        log("transformers: skipped (not installed; pip install 'loom-llm[bench]')")
+        skip("transformers: skipped (not installed; pip install 'loom-llm[bench]')")
         return None
     path = model_path(model)
     folder, kwargs = (path.parent, {"gguf_file": path.name}) if path.is_file() else (path, {})
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(str(folder), **kwargs)
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             str(folder), dtype=getattr(torch, dtype), **kwargs
         )
     except Exception as exc:  # a peer failing to load must not stop the benchmark
-        log(f"transformers: skipped (could not load {path.name}: {exc})")
+        skip(f"transformers: skipped (could not load {path.name}: {exc})")
         return None
-    hf.to(device).eval()
-    tok.padding_side = "left"
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return hf, tok
+    return hf.to(device).eval()
 
 
-def load_llama_cpp(model: str, n_ctx: int, threads: int, n_batch: int = 512) -> Any | None:
+def hf_pad_id(hf: Any) -> int:
+    """The pad token id of an HF model's config (0 when it has none)."""
+    pad = getattr(hf.config, "pad_token_id", None)
+    if pad is None and getattr(hf, "generation_config", None) is not None:
+        pad = hf.generation_config.pad_token_id
+    return int(pad or 0)
+
+
+def load_llama_cpp(model: str, n_ctx: int, threads: int, n_batch: int = 512,
+                   disabled: bool = False) -> Any | None:
     """A `llama_cpp.Llama` on the same GGUF file, or None (printed why)."""
+    if disabled:
+        skip("llama.cpp: skipped (--no-llama-cpp)")
+        return None
     try:
         import llama_cpp
     except ImportError:
-        log("llama.cpp: skipped (llama-cpp-python not installed; pip install llama-cpp-python)")
+        skip("llama.cpp: skipped (llama-cpp-python not installed; pip install llama-cpp-python)")
         return None
     path = model_path(model)
     if not path.is_file() or path.suffix != ".gguf":
-        log(f"llama.cpp: skipped ({path} is not a GGUF file)")
+        skip(f"llama.cpp: skipped ({path} is not a GGUF file)")
         return None
     try:
         return llama_cpp.Llama(
@@ -228,7 +271,7 @@ def load_llama_cpp(model: str, n_ctx: int, threads: int, n_batch: int = 512) -> 
             verbose=False,
         )
     except Exception as exc:
-        log(f"llama.cpp: skipped (could not load {path.name}: {exc})")
+        skip(f"llama.cpp: skipped (could not load {path.name}: {exc})")
         return None
 
 
@@ -236,13 +279,6 @@ def llama_cpp_truncate(llm: Any, num_tokens: int) -> None:
     """Drop llama.cpp's cached tokens past `num_tokens` (KV and its token record)."""
     llm.n_tokens = num_tokens
     llm._ctx.kv_cache_seq_rm(-1, num_tokens, -1)
-
-
-def llama_cpp_last_argmax(llm: Any) -> int:
-    """The greedy token after what llama.cpp evaluated last."""
-    import numpy as np
-
-    return int(np.argmax(llm._scores[-1]))
 
 
 class TimestampStreamer:
@@ -286,6 +322,7 @@ def header(name: str, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:
         "model": args.model,
         "quick": bool(getattr(args, "quick", False)),
         **extra,
+        "skip_notes": list(_SKIP_NOTES),
     }
 
 
@@ -331,11 +368,18 @@ def update_doc(name: str, title: str, result: dict[str, Any], body: str) -> None
     log(f"updated {PERF_DOC.relative_to(ROOT)} (section {name})")
 
 
-def finish(name: str, title: str, result: dict[str, Any], body: str, no_doc: bool) -> None:
-    """Write the JSON result and, unless disabled, the doc section."""
+def finish(name: str, title: str, result: dict[str, Any],
+           render: Callable[[dict[str, Any]], str], no_doc: bool) -> None:
+    """Write the JSON result and, unless disabled, the doc section `render` makes of it."""
     write_results(name, result)
     if not no_doc:
-        update_doc(name, title, result, body)
+        update_doc(name, title, result, render(result))
+
+
+def rerender(name: str, title: str, render: Callable[[dict[str, Any]], str]) -> None:
+    """Rewrite the doc section from benchmarks/results/<name>.json (`--doc-only`)."""
+    result = json.loads((RESULTS_DIR / f"{name}.json").read_text())
+    update_doc(name, title, result, render(result))
 
 
 # ---- Loom ----------------------------------------------------------------------------
@@ -354,7 +398,7 @@ def try_int8_engine(args: argparse.Namespace, **kwargs: Any) -> Any | None:
     try:
         return make_engine(args, quantization="int8", **kwargs)
     except Exception as exc:
-        log(f"loom int8: skipped (quantization='int8' not accepted: {exc})")
+        skip(f"loom int8: skipped (quantization='int8' not accepted: {exc})")
         return None
 
 
