@@ -1,109 +1,12 @@
-"""Shared fixtures: tiny random-weight models (with a tiny tokenizer) and the real Gemma 3 270M."""
+"""Shared fixtures: tiny random-weight models and the real Gemma 3 270M (loaded once)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-
-TINY_VOCAB = 512
-
-_CORPUS = [
-    "Once upon a time there was a knight named Loom who lived in a castle by the sea.",
-    "The capital of France is Paris. The capital of Italy is Rome. 1 2 3 4 5 6 7 8 9 0",
-    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # five\n",
-    "She sells sea shells by the sea shore; the shells she sells are surely sea shells.",
-    "Numbers: 3.14159, 2.71828, 42, 1000000. Symbols: !@#$%^&*()[]{}<>?/|\\~`'\"",
-    "Über café naïve façade — déjà vu. 日本語のテキスト。 Emoji: 🙂🚀✨",
-] * 20
-
-
-def build_tiny_tokenizer(folder: Path) -> int:
-    """Train a byte-level BPE tokenizer of exactly TINY_VOCAB tokens into `folder`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TINY_VOCAB,
-        special_tokens=["<pad>", "<eos>", "<bos>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS, trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "bos_token": "<bos>",
-                "eos_token": "<eos>",
-                "pad_token": "<pad>",
-                "add_bos_token": True,
-            }
-        )
-    )
-    return tok.get_vocab_size()
-
-
-def tiny_hf_config(arch: str):
-    """A small transformers config of the given architecture (vocab TINY_VOCAB)."""
-    import transformers as tf
-
-    common = dict(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=2,
-        eos_token_id=1,
-        pad_token_id=0,
-    )
-    if arch == "gemma3":
-        return tf.Gemma3TextConfig(
-            **common,
-            head_dim=16,
-            sliding_window=8,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-            query_pre_attn_scalar=16,
-        )
-    if arch == "llama":
-        return tf.LlamaConfig(
-            **common,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        )
-    if arch == "qwen2":
-        return tf.Qwen2Config(**common)
-    if arch == "qwen3":
-        return tf.Qwen3Config(**common, head_dim=16)
-    raise ValueError(arch)
-
-
-def build_tiny_model(arch: str, folder: Path, seed: int = 0):
-    """Save a random-weight transformers model plus the tiny tokenizer into `folder`."""
-    import transformers as tf
-
-    build_tiny_tokenizer(folder)
-    torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(tiny_hf_config(arch), dtype=torch.float32)
-    model.eval()
-    model.save_pretrained(str(folder))
-    return model
-
-
-TINY_ARCHS = ["gemma3", "llama", "qwen2", "qwen3"]
+from tiny_reference import TINY_ARCHS, build_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -111,22 +14,6 @@ def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
     """arch -> (folder, transformers reference model), built once per session."""
     root = tmp_path_factory.mktemp("tiny")
     return {arch: (root / arch, build_tiny_model(arch, root / arch)) for arch in TINY_ARCHS}
-
-
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation by full forward passes (no cache): the plainest reference."""
-    ids = list(prompt_ids)
-    with torch.no_grad():
-        for _ in range(max_new_tokens):
-            logits = model(torch.tensor([ids])).logits[0, -1]
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt_ids) :]
-
-
-def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
-    """Float32 logits of the last position of one forward pass over `ids`."""
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0, -1].float()
 
 
 @pytest.fixture(scope="session")

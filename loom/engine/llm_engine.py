@@ -64,6 +64,8 @@ class LLMEngine(SessionOps, TreeOps):
             )
         self.hook_context = HookContext(self)
         self._pending_calls: list[PendingCall] = []
+        # Groups changed outside a step (an async call's result ended them): reported next step.
+        self._groups_to_report: set[str] = set()
         # The async engine sets this False and runs hooks' async calls on its own loop.
         self.run_async_calls_inline = True
 
@@ -152,7 +154,7 @@ class LLMEngine(SessionOps, TreeOps):
 
     def has_unfinished_requests(self) -> bool:
         """True while any request waits or runs (paused sessions do not count)."""
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._groups_to_report)
 
     def get_num_unfinished_requests(self) -> int:
         """Requests (by caller id) not finished yet, sessions included."""
@@ -183,16 +185,18 @@ class LLMEngine(SessionOps, TreeOps):
     def step(self) -> list[RequestOutput]:
         """Run one engine step and return the outputs of the requests it advanced."""
         self._expire_idle_sessions()
+        reported = [self._group_output(g) for g in self._groups_to_report if g in self._groups]
+        self._groups_to_report.clear()
         sched_out = self.scheduler.schedule()
         self.last_scheduler_output = sched_out
         if sched_out.is_empty:
-            return self._fail_unschedulable()
+            return reported + self._fail_unschedulable()
         if sched_out.block_copies:
             self.runner.copy_blocks(sched_out.block_copies)
         logits = self.runner.execute(sched_out.chunks)
         self.scheduler.update_after_step(sched_out)
         self.num_steps += 1
-        outputs = self._process_logits(sched_out, logits)
+        outputs = reported + self._process_logits(sched_out, logits)
         if self._pending_calls and self.run_async_calls_inline:
             self._run_pending_calls_inline()
         return outputs

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from loom.core.request import Request
+from loom.core.request import Request, RequestStatus
 from loom.engine.hooks import AsyncResult, PendingCall
 from loom.engine.outputs import RequestOutput
 from loom.engine.sequence import SequenceState
@@ -76,11 +76,17 @@ class TreeOps:
                 if isinstance(append, str)
                 else [int(t) for t in append]
             )
-            seq.request.append_tokens(ids)
-            seq.append_fragment(ids)
+            # Never past the context limit: a longer merge is cut, and the sequence stops.
+            room = self.config.max_model_len - seq.request.num_tokens
+            seq.request.append_tokens(ids[:room])
+            seq.append_fragment(ids[:room])
         seq.blocked = False
         seq.request.sample_when_computed = seq.generating
         self.scheduler.wake(seq.request)
+        if seq.request.num_tokens >= self.config.max_model_len and seq.generating:
+            seq.finish_reason = "length"
+            self._end_segment(seq, RequestStatus.FINISHED_LENGTH)
+            self._groups_to_report.add(seq.group_id)
 
     def take_pending_calls(self: LLMEngine) -> list[PendingCall]:
         """Async calls hooks asked for since the last take (the async engine runs them)."""

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 import torch
-from conftest import hf_greedy, hf_last_logits
 from engine.helpers import make_engine, prompt_ids
+from tiny_reference import hf_greedy, hf_last_logits
 
 from loom import SamplingParams
 from loom.engine.async_engine import AsyncLLMEngine

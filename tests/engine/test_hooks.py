@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import torch
-from conftest import hf_last_logits
 from engine.helpers import make_engine, prompt_ids, run_to_completion
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_reference import hf_last_logits
 
 from loom import SamplingParams
 from loom.engine.async_engine import AsyncLLMEngine
@@ -208,20 +208,12 @@ def test_user_hook_runs_async_tool_and_keeps_kv(tiny_models):
     assert final.outputs[0].token_ids == ids[len(prompt):]
 
 
-@settings(max_examples=12, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(
-    data=st.data(),
-    num_blocks=st.integers(14, 60),
-)
-def test_random_trees_never_leak(tiny_models, data, num_blocks):
-    folder, _ = tiny_models["qwen2"]
+def run_random_trees(folder, num_blocks, plans, abort_first=False):
+    """Requests whose sequences follow `plans` (promise, sync or model tokens) to the end."""
     engine = make_engine(folder, num_kv_blocks=num_blocks, block_size=4,
                          max_num_batched_tokens=24,
                          special_kwargs=SpecialKwargs(promise_token_id=P, sync_token_id=S,
                                                       max_depth=2, max_children=3))
-    plans = data.draw(st.lists(st.lists(st.sampled_from([P, S, None, None]), max_size=8),
-                               min_size=1, max_size=3))
     for i, plan in enumerate(plans):
         def parent(output, plan=plan):
             return plan[len(output)] if len(output) < len(plan) else None
@@ -232,19 +224,26 @@ def test_random_trees_never_leak(tiny_models, data, num_blocks):
 
         engine.add_request(str(i), prompt_ids(5 + 7 * i, i),
                            params(Script(parent, child), max_tokens=10))
-    if data.draw(st.booleans()):
+    if abort_first:
         engine.step()
         engine.abort_request("0")
     for out in run_to_completion(engine).values():
         assert out.finished
-    PREEMPTIONS.append(engine.scheduler.num_preemptions)
     assert engine.kv_pool_all_free
     assert not engine._seqs
+    return engine
 
 
-PREEMPTIONS: list[int] = []
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(data=st.data(), num_blocks=st.integers(14, 60))
+def test_random_trees_never_leak(tiny_models, data, num_blocks):
+    plans = data.draw(st.lists(st.lists(st.sampled_from([P, S, None, None]), max_size=8),
+                               min_size=1, max_size=3))
+    run_random_trees(tiny_models["qwen2"][0], num_blocks, plans, data.draw(st.booleans()))
 
 
-def test_random_trees_did_preempt():
-    # Runs after the hypothesis test in file order: some random trees hit preemption.
-    assert PREEMPTIONS and max(PREEMPTIONS) > 0
+def test_trees_under_preemption_never_leak(tiny_models):
+    plans = [[S, S, None], [P], [None, P, None, None, P]]
+    engine = run_random_trees(tiny_models["qwen2"][0], 20, plans)
+    assert engine.scheduler.num_preemptions > 0

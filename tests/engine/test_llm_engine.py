@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_ARCHS, hf_greedy, hf_last_logits
 from engine.helpers import make_engine, prompt_ids, run_to_completion
+from tiny_reference import TINY_ARCHS, hf_greedy, hf_last_logits
 
 from loom import LLM, SamplingParams
 from loom.errors import (

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_last_logits
 from engine.helpers import make_engine, prompt_ids, run_to_completion
+from tiny_reference import hf_last_logits
 
 from loom import SamplingParams
 from loom.errors import (

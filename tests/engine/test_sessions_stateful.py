@@ -12,11 +12,11 @@ import contextlib
 
 import pytest
 import torch
-from conftest import hf_last_logits
 from engine.helpers import make_engine, run_to_completion
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from tiny_reference import hf_last_logits
 
 from loom import SamplingParams
 from loom.errors import InvalidSessionStateError, PromptTooLongError
