@@ -26,7 +26,6 @@ class EngineArgs:
     seed: int = 0
     session_ttl_s: float | None = 3600.0
     quantization: str | None = None
-    compile: bool = False
     special_kwargs: Any = None  # loom.engine.promise_sync.SpecialKwargs
     hooks: list[Any] = field(default_factory=list)  # loom.engine.hooks.SequenceHook objects
 
@@ -53,7 +52,6 @@ class EngineConfig:
     seed: int
     session_ttl_s: float | None
     quantization: str | None
-    compile: bool
     special_kwargs: Any = None
     hooks: tuple[Any, ...] = ()
 

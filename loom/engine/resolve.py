@@ -109,7 +109,6 @@ def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tok
         seed=args.seed,
         session_ttl_s=args.session_ttl_s,
         quantization=args.quantization,
-        compile=args.compile,
         special_kwargs=args.special_kwargs,
         hooks=tuple(args.hooks),
     )
