@@ -232,7 +232,8 @@ class LLMEngine(SessionOps, TreeOps):
         rows = [
             SamplingRow(
                 params=seq.params,
-                prompt_token_ids=seq.prompt_token_ids,
+                # Copying the prompt costs O(context): only for the rows that read it.
+                prompt_token_ids=seq.prompt_token_ids if _reads_prompt(seq.params) else [],
                 output_token_ids=seq.segment_token_ids,
                 generator=seq.generator,
                 eos_token_ids=self.eos_token_ids,
@@ -331,3 +332,8 @@ class LLMEngine(SessionOps, TreeOps):
     def kv_pool_all_free(self) -> bool:
         """True when no request holds any KV block (the leak check)."""
         return self.scheduler.kv.pool.all_free
+
+
+def _reads_prompt(params: SamplingParams) -> bool:
+    """True when sampling looks at the prompt: repetition penalty or logits processors."""
+    return params.repetition_penalty != 1.0 or bool(params.logits_processors)
