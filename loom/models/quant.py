@@ -25,6 +25,10 @@ def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return w_int8.contiguous(), scales.to(torch.bfloat16)
 
 
+# Calls with at least this many rows take the dequantised float path (see `forward`).
+DEQUANTIZE_MIN_ROWS = 32
+
+
 class Int8Linear(nn.Module):
     """y = x @ (w_int8 * scale).T + bias, reading int8 weights at run time."""
 
@@ -44,8 +48,15 @@ class Int8Linear(nn.Module):
         """Apply the layer to x [..., K] -> [..., N] in x's dtype."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        scales = self.scales.to(torch.bfloat16)  # no-op unless the module was cast
-        y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, scales).to(x.dtype)
+        if x2.shape[0] >= DEQUANTIZE_MIN_ROWS:
+            # Prefill-sized calls are compute-bound, where the int8 kernel is slow: dequantise
+            # once (N*K work, small next to M*N*K) and use the float matmul. Same inputs (bf16
+            # activations, int8 weights); the sums agree to float rounding, not bit for bit.
+            weight = self.dequantized_weight().to(x.dtype)
+            y = torch.nn.functional.linear(x2.to(x.dtype), weight)
+        else:
+            scales = self.scales.to(torch.bfloat16)  # no-op unless the module was cast
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, scales).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*lead, self.out_features)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from tiny_models import TinyModel, chunk
 
-from loom.models.quant import Int8Linear, quantize_weight_int8
+from loom.models.quant import DEQUANTIZE_MIN_ROWS, Int8Linear, quantize_weight_int8
 from loom.runner import ModelRunner, build_model
 
 
@@ -32,6 +32,16 @@ def test_int8_linear_close_and_batch_invariant() -> None:
     torch.testing.assert_close(y, ref, atol=0.05, rtol=0.02)
     # A row's result does not depend on the other rows of the call.
     assert torch.equal(q(x[2:3]), y[2:3])
+
+
+def test_int8_prefill_path_agrees_with_kernel_path() -> None:
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(96, 48, bias=False)
+    q = Int8Linear(lin.weight, None)
+    x = torch.randn(DEQUANTIZE_MIN_ROWS + 8, 96)
+    many = q(x)  # dequantised float matmul
+    rows = torch.cat([q(x[i : i + 1]) for i in range(x.shape[0])])  # int8 kernel, row by row
+    torch.testing.assert_close(many, rows, atol=1e-4, rtol=1e-4)
 
 
 def _int8_runner(tiny_model: TinyModel) -> ModelRunner:
