@@ -41,7 +41,8 @@ def test_int8_prefill_path_agrees_with_kernel_path() -> None:
     x = torch.randn(DEQUANTIZE_MIN_ROWS + 8, 96)
     many = q(x)  # dequantised float matmul
     rows = torch.cat([q(x[i : i + 1]) for i in range(x.shape[0])])  # int8 kernel, row by row
-    torch.testing.assert_close(many, rows, atol=1e-4, rtol=1e-4)
+    # The kernel returns bfloat16 sums; the float path keeps float32 ones: bf16 rounding apart.
+    torch.testing.assert_close(many, rows, atol=1e-2, rtol=8e-3)
 
 
 def _int8_runner(tiny_model: TinyModel) -> ModelRunner:
