@@ -120,3 +120,13 @@ def hf_last_logits(model, ids: list[int]) -> torch.Tensor:
     """Float32 logits of the last position of one forward pass over `ids`."""
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0, -1].float()
+
+
+# Prompts and continuation length used by the real Gemma 3 270M tests (float32 and int8).
+GEMMA_PROMPTS = [
+    "Once upon a time",
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "Water boils at a temperature of",
+]
+GEMMA_NEW_TOKENS = 24

@@ -5,16 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from engine.helpers import run_to_completion
+from tiny_reference import GEMMA_NEW_TOKENS as NEW_TOKENS
+from tiny_reference import GEMMA_PROMPTS as PROMPTS
 
 from loom import SamplingParams
-
-PROMPTS = [
-    "Once upon a time",
-    "The capital of France is",
-    "def fibonacci(n):\n",
-    "Water boils at a temperature of",
-]
-NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from engine.helpers import run_to_completion
+from tiny_reference import GEMMA_NEW_TOKENS as NEW_TOKENS
+from tiny_reference import GEMMA_PROMPTS as PROMPTS
 
 from loom import SamplingParams
 from loom.attention import forward_context
@@ -12,14 +14,6 @@ from loom.core.scheduler_output import ScheduledChunk
 from loom.models.base import CausalLM
 from loom.models.config import ModelConfig
 from loom.runner import ModelRunner, build_model
-
-PROMPTS = [
-    "Once upon a time",
-    "The capital of France is",
-    "def fibonacci(n):\n",
-    "Water boils at a temperature of",
-]
-NEW_TOKENS = 24
 
 
 def _next_token_logits(
