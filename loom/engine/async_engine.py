@@ -119,11 +119,14 @@ class AsyncLLMEngine:
         **kwargs: Any,
     ) -> None:
         """Queue a request or open a session (`session=True`)."""
-        self._queues.setdefault(request_id, asyncio.Queue())
+        created = request_id not in self._queues
+        if created:
+            self._queues[request_id] = asyncio.Queue()
         try:
             await self._call(self.engine.add_request, request_id, prompt, sampling_params, **kwargs)
         except LoomError:
-            self._queues.pop(request_id, None)
+            if created:  # a duplicate id must not take the live request's queue away
+                self._queues.pop(request_id, None)
             raise
 
     async def step(self) -> list[RequestOutput]:
