@@ -7,6 +7,7 @@ from loom.attention.backend import (
     get_attention_backend,
 )
 from loom.attention.context import ForwardContext, forward_context, get_forward_context
+from loom.attention.cpu_backend import CpuAttentionBackend
 from loom.attention.layer import PagedAttention
 from loom.attention.metadata import AttentionMetadata
 from loom.attention.torch_backend import TorchAttentionBackend
@@ -15,6 +16,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "AttentionSpec",
+    "CpuAttentionBackend",
     "ForwardContext",
     "PagedAttention",
     "TorchAttentionBackend",

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from loom.attention.metadata import AttentionMetadata
+from loom.kernels import cpu_kernels_available
 
 
 @dataclass(frozen=True)
@@ -44,13 +45,25 @@ class AttentionBackend(ABC):
         """Attend: q [T, H, D], k/v [T, Hkv, D] -> output [T, H * D] (stores k/v first)."""
 
 
-def get_attention_backend(name: str = "torch") -> AttentionBackend:
-    """Return the attention backend registered under `name`."""
+def get_attention_backend(
+    name: str = "auto", device: torch.device | str = "cpu"
+) -> AttentionBackend:
+    """Return the backend registered under `name`; "auto" picks the best one for `device`.
+
+    "auto" is "cpu" (the C decode kernel) on a CPU where Loom's kernels build, else "torch".
+    """
+    from loom.attention.cpu_backend import CpuAttentionBackend
     from loom.attention.torch_backend import TorchAttentionBackend
 
-    backends: dict[str, type[AttentionBackend]] = {"torch": TorchAttentionBackend}
+    backends: dict[str, type[AttentionBackend]] = {
+        "torch": TorchAttentionBackend,
+        "cpu": CpuAttentionBackend,
+    }
+    if name == "auto":
+        on_cpu = torch.device(device).type == "cpu"
+        name = "cpu" if on_cpu and cpu_kernels_available() else "torch"
     if name not in backends:
-        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(backends)}")
+        raise ValueError(f"unknown attention backend {name!r}; known: {['auto', *backends]}")
     return backends[name]()
 
 

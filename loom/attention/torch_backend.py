@@ -80,8 +80,7 @@ class TorchAttentionBackend(AttentionBackend):
         q_lens = metadata.query_lens_list
         decodes = [b for b, n in enumerate(q_lens) if n == 1]
         if decodes:
-            plan = self._decode_plan(metadata, decodes, spec.sliding_window)
-            out[plan.token_idx] = self._decode(spec, q, kv_cache, plan, metadata.block_size)
+            self._decode_rows(spec, q, kv_cache, metadata, decodes, out)
         token_start = 0
         for b, n in enumerate(q_lens):
             if n > 1:
@@ -89,6 +88,19 @@ class TorchAttentionBackend(AttentionBackend):
                 out[rows] = self._prefill(spec, q[rows], kv_cache, metadata, b)
             token_start += n
         return out.flatten(1)
+
+    def _decode_rows(
+        self,
+        spec: AttentionSpec,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        decodes: list[int],
+        out: torch.Tensor,
+    ) -> None:
+        """Write into `out` the attention of every single-token sequence (index in `decodes`)."""
+        plan = self._decode_plan(md, decodes, spec.sliding_window)
+        out[plan.token_idx] = self._decode(spec, q, kv_cache, plan, md.block_size)
 
     def _decode_plan(
         self, md: AttentionMetadata, decodes: list[int], window: int | None

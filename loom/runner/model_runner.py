@@ -35,7 +35,7 @@ class ModelRunner:
         dtype: torch.dtype,
         num_blocks: int,
         block_size: int,
-        attention_backend: str = "torch",
+        attention_backend: str = "auto",
     ) -> None:
         self.model_config = model_config
         self.model = model
@@ -43,7 +43,7 @@ class ModelRunner:
         self.dtype = dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.backend: AttentionBackend = get_attention_backend(attention_backend)
+        self.backend: AttentionBackend = get_attention_backend(attention_backend, device)
         self.kv_caches = allocate_kv_caches(
             model_config.num_layers, num_blocks, block_size,
             model_config.num_kv_heads, model_config.head_dim, dtype, self.device,

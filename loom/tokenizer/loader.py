@@ -11,6 +11,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from loom.cache_dir import loom_cache_dir
 from loom.errors import ModelNotFoundError, UnsupportedModelError
 from loom.tokenizer.tokenizer import Tokenizer, TokenizerConfig
 
@@ -20,9 +21,7 @@ _CONVERTER_VERSION = "1"
 
 def default_cache_dir() -> Path:
     """Where converted tokenizers are kept: `$LOOM_CACHE_DIR/tokenizers` or `~/.cache/loom/...`."""
-    root = os.environ.get("LOOM_CACHE_DIR")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "loom"
-    return base / "tokenizers"
+    return loom_cache_dir("tokenizers")
 
 
 def load_tokenizer(model_path: str | Path, cache_dir: Path | None = None) -> Tokenizer:

@@ -8,13 +8,16 @@ import pytest
 import torch
 
 from loom.attention import (
+    AttentionBackend,
     AttentionMetadata,
     AttentionSpec,
+    CpuAttentionBackend,
     TorchAttentionBackend,
     allocate_kv_caches,
     forward_context,
     get_forward_context,
 )
+from loom.kernels import cpu_kernels_available, kernel_status
 
 BLOCK = 4
 
@@ -35,9 +38,18 @@ def _dense(q, k, v, start, spec):  # q [n,H,D], k/v [L,Hkv,D] for positions [0, 
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).flatten(1)
 
 
+def _backend(name: str) -> AttentionBackend:
+    if name == "cpu" and not cpu_kernels_available():
+        pytest.skip(f"CPU kernels unavailable: {kernel_status()}")
+    return CpuAttentionBackend() if name == "cpu" else TorchAttentionBackend()
+
+
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
 @pytest.mark.parametrize("window", [None, 3, 6])
 @pytest.mark.parametrize("softcap", [None, 5.0])
-def test_steps_match_dense_reference(window: int | None, softcap: float | None) -> None:
+def test_steps_match_dense_reference(
+    backend_name: str, window: int | None, softcap: float | None
+) -> None:
     """Three steps (prefill chunks, then mixed, then pure decode) match dense attention."""
     torch.manual_seed(0)
     spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8, scale=0.3,
@@ -48,7 +60,7 @@ def test_steps_match_dense_reference(window: int | None, softcap: float | None) 
     full_q = [torch.randn(n, 4, 8) for n in lengths]
     tables = [[7, 2, 9, 4], [0, 11], [5, 3, 10]]
     (cache,) = allocate_kv_caches(1, 12, BLOCK, 2, 8, torch.float32, "cpu")
-    backend = TorchAttentionBackend()
+    backend = _backend(backend_name)
     # Per step: (start, end) of each sequence (equal start/end = not scheduled).
     steps = [[(0, 5), (0, 4), (0, 8)], [(5, 12), (4, 5), (8, 9)], [(12, 13), (5, 6)]]
     for step in steps:

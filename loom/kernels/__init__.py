@@ -1,0 +1,21 @@
+"""Native CPU kernels (AVX2 C, built at first use) with pure-torch fallbacks elsewhere.
+
+`cpu_kernels_available()` tells whether they can run here; the wrappers in `cpu_ops`
+check tensor dtypes, devices and layouts and raise on misuse, so callers decide the
+fallback once.
+"""
+
+from loom.kernels.build import kernel_status, load_library
+from loom.kernels.cpu_ops import (
+    cpu_kernels_available,
+    linear_w8,
+    paged_decode_attention,
+)
+
+__all__ = [
+    "cpu_kernels_available",
+    "kernel_status",
+    "linear_w8",
+    "load_library",
+    "paged_decode_attention",
+]

@@ -1,0 +1,205 @@
+/* Loom's CPU kernels (x86-64, AVX2 + FMA), built at first use by loom/kernels/build.py.
+ *
+ * Plain C with a C ABI and no PyTorch headers, so it compiles in about a second and is
+ * called through ctypes with tensor data pointers. All tensors are float32 unless named
+ * otherwise, contiguous, and owned by the caller. Threads come from OpenMP; the library
+ * links libgomp.so.1, the same runtime PyTorch has already loaded, so both share one pool.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LOOM_EXPORT __attribute__((visibility("default")))
+
+static inline float hsum256(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v);
+    __m128 hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* 8 int8 weights at w -> 8 floats. */
+static inline __m256 load8_i8(const int8_t *w) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)w)));
+}
+
+/* out[i] = dot(w_i, x) for 4 consecutive int8 rows w_0..w_3 (stride k) and one float row x.
+ * Eight independent accumulators hide the FMA latency; each weight is converted once. */
+static void dot4_i8_x1(const int8_t *w, const float *x, int64_t k, float out[4]) {
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= k; j += 16) {
+        const __m256 x0 = _mm256_loadu_ps(x + j), x1 = _mm256_loadu_ps(x + j + 8);
+        for (int i = 0; i < 4; i++) {
+            acc[2 * i] = _mm256_fmadd_ps(load8_i8(w + i * k + j), x0, acc[2 * i]);
+            acc[2 * i + 1] = _mm256_fmadd_ps(load8_i8(w + i * k + j + 8), x1, acc[2 * i + 1]);
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        float s = hsum256(_mm256_add_ps(acc[2 * i], acc[2 * i + 1]));
+        for (int64_t t = j; t < k; t++) s += (float)w[i * k + t] * x[t];
+        out[i] = s;
+    }
+}
+
+/* Rows of the k-chunk a weight tile holds, converted to float once and reused for all m. */
+#define TILE_K 512
+
+/* How many 4-row groups ahead of the current one are prefetched. */
+#ifndef PREFETCH_QUADS
+#define PREFETCH_QUADS 4
+#endif
+
+/* acc[r][i][0..1] += the products of tile row i and x row r over one k-chunk (kc a multiple of
+ * 16), split exactly as dot4_i8_x1 splits them, so m == 1 and m > 1 sum in the same order. */
+static void tile4_accumulate(const float *tile, int64_t kc, const float *x, int64_t k,
+                             int64_t m, __m256 *acc) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * k;
+        __m256 *a = acc + r * 8;
+        __m256 a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3], a4 = a[4], a5 = a[5], a6 = a[6],
+               a7 = a[7];
+        for (int64_t j = 0; j < kc; j += 16) {
+            const __m256 x0 = _mm256_loadu_ps(xr + j), x1 = _mm256_loadu_ps(xr + j + 8);
+            a0 = _mm256_fmadd_ps(_mm256_load_ps(tile + j), x0, a0);
+            a1 = _mm256_fmadd_ps(_mm256_load_ps(tile + j + 8), x1, a1);
+            a2 = _mm256_fmadd_ps(_mm256_load_ps(tile + TILE_K + j), x0, a2);
+            a3 = _mm256_fmadd_ps(_mm256_load_ps(tile + TILE_K + j + 8), x1, a3);
+            a4 = _mm256_fmadd_ps(_mm256_load_ps(tile + 2 * TILE_K + j), x0, a4);
+            a5 = _mm256_fmadd_ps(_mm256_load_ps(tile + 2 * TILE_K + j + 8), x1, a5);
+            a6 = _mm256_fmadd_ps(_mm256_load_ps(tile + 3 * TILE_K + j), x0, a6);
+            a7 = _mm256_fmadd_ps(_mm256_load_ps(tile + 3 * TILE_K + j + 8), x1, a7);
+        }
+        a[0] = a0, a[1] = a1, a[2] = a2, a[3] = a3, a[4] = a4, a[5] = a5, a[6] = a6, a[7] = a7;
+    }
+}
+
+/* y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]): weight-only int8 linear.
+ * x [m, k] float32, w [n, k] int8 row-major, scale [n] float32, bias [n] or NULL, y [m, n].
+ * Output rows are computed independently of one another, so a row's result does not depend
+ * on what else is in the batch except through m == 1 vs m > 1 (summation order). */
+LOOM_EXPORT void loom_linear_w8(const float *x, int64_t m, int64_t k, const int8_t *w,
+                                const float *scale, const float *bias, int64_t n, float *y) {
+    const int64_t quads = n / 4;
+    const int64_t k16 = k - k % 16; /* the vectorised part; the tail is summed last */
+#pragma omp parallel
+    {
+        float tile[4 * TILE_K] __attribute__((aligned(32)));
+        float sums[4];
+        __m256 *acc = (__m256 *)aligned_alloc(32, (size_t)(m > 1 ? m : 1) * 8 * sizeof(__m256));
+#pragma omp for schedule(static)
+        for (int64_t qd = 0; qd < quads; qd++) {
+            const int64_t row = qd * 4;
+            const int8_t *wr = w + row * k;
+            /* Streams from DRAM run at about half the bandwidth without a software prefetch
+             * of the rows a few quads ahead. */
+            if (qd + PREFETCH_QUADS < quads)
+                for (int64_t off = 0; off < 4 * k; off += 64)
+                    _mm_prefetch((const char *)(wr + PREFETCH_QUADS * 4 * k + off), _MM_HINT_T0);
+            if (m == 1) {
+                dot4_i8_x1(wr, x, k, sums);
+                for (int i = 0; i < 4; i++) {
+                    float v = sums[i] * scale[row + i];
+                    y[row + i] = bias ? v + bias[row + i] : v;
+                }
+                continue;
+            }
+            for (int64_t t = 0; t < m * 8; t++) acc[t] = _mm256_setzero_ps();
+            for (int64_t k0 = 0; k0 < k16; k0 += TILE_K) {
+                const int64_t kc = k16 - k0 < TILE_K ? k16 - k0 : TILE_K;
+                for (int i = 0; i < 4; i++)
+                    for (int64_t j = 0; j < kc; j += 8)
+                        _mm256_store_ps(tile + i * TILE_K + j, load8_i8(wr + i * k + k0 + j));
+                tile4_accumulate(tile, kc, x + k0, k, m, acc);
+            }
+            for (int64_t r = 0; r < m; r++)
+                for (int i = 0; i < 4; i++) {
+                    float v = hsum256(_mm256_add_ps(acc[r * 8 + 2 * i], acc[r * 8 + 2 * i + 1]));
+                    for (int64_t t = k16; t < k; t++) v += (float)wr[i * k + t] * x[r * k + t];
+                    v *= scale[row + i];
+                    y[r * n + row + i] = bias ? v + bias[row + i] : v;
+                }
+        }
+        free(acc);
+    }
+    /* The last n % 4 rows, one at a time. */
+    for (int64_t row = quads * 4; row < n; row++)
+        for (int64_t r = 0; r < m; r++) {
+            float s = 0.0f;
+            for (int64_t t = 0; t < k; t++) s += (float)w[row * k + t] * x[r * k + t];
+            s *= scale[row];
+            y[r * n + row] = bias ? s + bias[row] : s;
+        }
+}
+
+static inline float dot_f32(const float *a, const float *b, int64_t d) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= d; j += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), acc1);
+    }
+    float s = hsum256(_mm256_add_ps(acc0, acc1));
+    for (; j < d; j++) s += a[j] * b[j];
+    return s;
+}
+
+static inline void axpy_f32(float alpha, const float *x, float *y, int64_t d) {
+    __m256 a = _mm256_set1_ps(alpha);
+    int64_t j = 0;
+    for (; j + 8 <= d; j += 8)
+        _mm256_storeu_ps(y + j, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + j), _mm256_loadu_ps(y + j)));
+    for (; j < d; j++) y[j] += alpha * x[j];
+}
+
+/* Single-query attention for a batch of decoding sequences, read straight from the paged
+ * cache (no gathered copy of the context).
+ *   q          [s, h, d]           one query per sequence, at position seq_lens[i] - 1
+ *   k_cache    [blocks, bs, hkv, d] v_cache likewise
+ *   block_tables [s, max_blocks] int64, seq_lens [s] int64
+ *   window     > 0: keys at positions > pos - window only; 0: all
+ *   softcap    > 0: scores -> softcap * tanh(scores / softcap); 0: off
+ *   scratch    [s * h, max_len] float32, max_len >= every seq_len
+ *   out        [s, h, d]
+ * Query head j reads kv head j / (h / hkv). Softmax in float32 with the max subtracted. */
+LOOM_EXPORT void loom_paged_decode_attention(
+    const float *q, const float *k_cache, const float *v_cache, const int64_t *block_tables,
+    int64_t max_blocks, const int64_t *seq_lens, int64_t s, int64_t h, int64_t hkv, int64_t d,
+    int64_t bs, int64_t window, float scale, float softcap, float *scratch, int64_t max_len,
+    float *out) {
+    const int64_t group = h / hkv;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < s * h; task++) {
+        const int64_t seq = task / h, head = task % h, kvh = head / group;
+        const int64_t len = seq_lens[seq];
+        const int64_t lo = (window > 0 && len > window) ? len - window : 0;
+        const int64_t *table = block_tables + seq * max_blocks;
+        const float *qv = q + task * d;
+        float *scores = scratch + task * max_len;
+        float mx = -INFINITY;
+        for (int64_t p = lo; p < len; p++) {
+            const int64_t slot = table[p / bs] * bs + p % bs;
+            float sc = dot_f32(qv, k_cache + (slot * hkv + kvh) * d, d) * scale;
+            if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+            scores[p - lo] = sc;
+            if (sc > mx) mx = sc;
+        }
+        float total = 0.0f;
+        for (int64_t p = 0; p < len - lo; p++) {
+            scores[p] = expf(scores[p] - mx);
+            total += scores[p];
+        }
+        float *o = out + task * d;
+        memset(o, 0, (size_t)d * sizeof(float));
+        const float inv = 1.0f / total;
+        for (int64_t p = lo; p < len; p++) {
+            const int64_t slot = table[p / bs] * bs + p % bs;
+            axpy_f32(scores[p - lo] * inv, v_cache + (slot * hkv + kvh) * d, o, d);
+        }
+    }
+}

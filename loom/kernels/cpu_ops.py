@@ -1,0 +1,85 @@
+"""Tensor-level wrappers of the C kernels: validate, allocate outputs, pass pointers."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from loom.kernels.build import load_library
+
+
+def cpu_kernels_available() -> bool:
+    """True when the compiled CPU kernels loaded on this machine."""
+    return load_library() is not None
+
+
+def _lib() -> ctypes.CDLL:
+    lib = load_library()
+    if lib is None:
+        raise RuntimeError("Loom CPU kernels are unavailable (see loom.kernels.kernel_status())")
+    return lib
+
+
+def _check(t: torch.Tensor, name: str, dtype: torch.dtype) -> None:
+    if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
+        raise ValueError(
+            f"{name}: need a contiguous {dtype} CPU tensor, got {t.dtype} on {t.device}"
+            f"{'' if t.is_contiguous() else ' (not contiguous)'}"
+        )
+
+
+def linear_w8(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [M, K] float32 @ (weight [N, K] int8 * scale [N] float32).T + bias [N] -> [M, N]."""
+    _check(x, "x", torch.float32)
+    _check(weight, "weight", torch.int8)
+    _check(scale, "scale", torch.float32)
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k or scale.shape != (n,):
+        raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}, scale "
+                         f"{tuple(scale.shape)} do not match")
+    if bias is not None:
+        _check(bias, "bias", torch.float32)
+    y = torch.empty((m, n), dtype=torch.float32)
+    _lib().loom_linear_w8(
+        x.data_ptr(), m, k, weight.data_ptr(), scale.data_ptr(),
+        None if bias is None else bias.data_ptr(), n, y.data_ptr(),
+    )
+    return y
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """One query per sequence over its paged context: q [S, H, D] -> [S, H, D].
+
+    kv_cache [2, blocks, block_size, Hkv, D] float32; block_tables [S, max_blocks] int64;
+    seq_lens [S] int64 (the query sits at seq_len - 1); `max_seq_len` >= every seq_len.
+    """
+    _check(q, "q", torch.float32)
+    _check(kv_cache, "kv_cache", torch.float32)
+    _check(block_tables, "block_tables", torch.int64)
+    _check(seq_lens, "seq_lens", torch.int64)
+    s, h, d = q.shape
+    _, _, block_size, hkv, d_cache = kv_cache.shape
+    if d_cache != d or h % hkv or block_tables.shape[0] != s or seq_lens.shape != (s,):
+        raise ValueError("q, kv_cache, block_tables and seq_lens shapes do not match")
+    span = min(max_seq_len, window) if window else max_seq_len
+    scratch = torch.empty((s * h, max(span, 1)), dtype=torch.float32)
+    out = torch.empty_like(q)
+    _lib().loom_paged_decode_attention(
+        q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_tables.data_ptr(),
+        block_tables.shape[1], seq_lens.data_ptr(), s, h, hkv, d, block_size,
+        window or 0, scale, softcap or 0.0, scratch.data_ptr(), span, out.data_ptr(),
+    )
+    return out

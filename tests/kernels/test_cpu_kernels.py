@@ -1,0 +1,90 @@
+"""Loom's C kernels against plain torch, and the fallback when they are switched off."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from loom.kernels import cpu_kernels_available, kernel_status, linear_w8, paged_decode_attention
+
+pytestmark = pytest.mark.skipif(
+    not cpu_kernels_available(), reason=f"CPU kernels unavailable: {kernel_status()}"
+)
+
+
+@pytest.mark.parametrize(("n", "k"), [(1000, 640), (1003, 600), (7, 2048), (64, 1100), (3, 16)])
+@pytest.mark.parametrize("m", [1, 2, 5, 16])
+def test_linear_w8_matches_dequantised_matmul(m: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scale = torch.rand(n, generator=g) * 0.01
+    bias = torch.randn(n, generator=g)
+    y = linear_w8(x, w, scale, bias)
+    ref = x.double() @ (w.double() * scale.double()[:, None]).T + bias.double()
+    torch.testing.assert_close(y.double(), ref, atol=2e-4, rtol=1e-5)
+    no_bias = linear_w8(x, w, scale, None)
+    torch.testing.assert_close(no_bias, y - bias, atol=1e-5, rtol=1e-5)
+
+
+def test_linear_w8_rows_are_batch_invariant() -> None:
+    """A row's result is bit-identical whatever else is in the call (m = 1 or m > 1 paths)."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 1100, generator=g)
+    w = torch.randint(-127, 128, (70, 1100), dtype=torch.int8, generator=g)
+    scale = torch.rand(70, generator=g)
+    y = linear_w8(x, w, scale, None)
+    for i in range(x.shape[0]):
+        assert torch.equal(linear_w8(x[i : i + 1].contiguous(), w, scale, None), y[i : i + 1])
+    assert torch.equal(linear_w8(x[3:7].contiguous(), w, scale, None), y[3:7])
+
+
+def test_linear_w8_rejects_wrong_dtypes_and_shapes() -> None:
+    w = torch.zeros(4, 8, dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"x: need a contiguous torch\.float32"):
+        linear_w8(torch.zeros(1, 8, dtype=torch.float64), w, torch.ones(4), None)
+    with pytest.raises(ValueError, match="do not match"):
+        linear_w8(torch.zeros(1, 9), w, torch.ones(4), None)
+
+
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_paged_decode_attention_matches_dense(window: int | None, softcap: float | None) -> None:
+    """Three sequences with scattered blocks, GQA 4:2, against attention over gathered keys."""
+    g = torch.Generator().manual_seed(3)
+    block, heads, kv_heads, dim = 4, 4, 2, 16
+    cache = torch.randn(2, 12, block, kv_heads, dim, generator=g)
+    tables = torch.tensor([[7, 2, 9, 4], [0, 11, 0, 0], [5, 3, 10, 1]])
+    seq_lens = torch.tensor([15, 6, 16])
+    q = torch.randn(3, heads, dim, generator=g)
+    out = paged_decode_attention(q, cache, tables, seq_lens, 16, 0.25, window, softcap)
+    for i, length in enumerate(seq_lens.tolist()):
+        keys = cache[0][tables[i]].reshape(-1, kv_heads, dim)[:length]
+        vals = cache[1][tables[i]].reshape(-1, kv_heads, dim)[:length]
+        keys = keys.repeat_interleave(2, dim=1)
+        vals = vals.repeat_interleave(2, dim=1)
+        scores = torch.einsum("hd,khd->hk", q[i], keys) * 0.25
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        if window:
+            scores[:, : max(0, length - window)] = float("-inf")
+        ref = torch.einsum("hk,khd->hd", scores.softmax(-1), vals)
+        torch.testing.assert_close(out[i], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_switch_off_falls_back_to_torch_paths() -> None:
+    """LOOM_CPU_KERNELS=0: the kernels report why, "auto" picks the torch attention backend."""
+    code = (
+        "from loom.kernels import kernel_status\n"
+        "from loom.attention import get_attention_backend\n"
+        "print(kernel_status(), get_attention_backend('auto', 'cpu').name)\n"
+    )
+    env = {**os.environ, "LOOM_CPU_KERNELS": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "disabled by LOOM_CPU_KERNELS=0 torch"
