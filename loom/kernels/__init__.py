@@ -10,6 +10,8 @@ from loom.kernels.cpu_ops import (
     cpu_kernels_available,
     linear_w8,
     paged_decode_attention,
+    rms_norm,
+    rope_neox,
 )
 
 __all__ = [
@@ -18,4 +20,6 @@ __all__ = [
     "linear_w8",
     "load_library",
     "paged_decode_attention",
+    "rms_norm",
+    "rope_neox",
 ]

@@ -39,6 +39,8 @@ SIGNATURES: dict[str, list[type]] = {
         _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
         _f32, _f32, _ptr, _i64, _ptr,
     ],
+    "loom_rms_norm": [_ptr, _i64, _i64, _ptr, _f32, _f32, _ptr, _ptr],
+    "loom_rope_neox": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr],
 }
 
 @dataclass

@@ -83,3 +83,40 @@ def paged_decode_attention(
         window or 0, scale, softcap or 0.0, scratch.data_ptr(), span, out.data_ptr(),
     )
     return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """[residual +] x / rms(x) * (weight + offset) over the last dim of x [..., D], float32."""
+    _check(x, "x", torch.float32)
+    _check(weight, "weight", torch.float32)
+    dim = x.shape[-1]
+    if weight.shape != (dim,):
+        raise ValueError(f"weight {tuple(weight.shape)} does not match x {tuple(x.shape)}")
+    if residual is not None:
+        _check(residual, "residual", torch.float32)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} != x {tuple(x.shape)}")
+    out = torch.empty_like(x)
+    _lib().loom_rms_norm(
+        x.data_ptr(), x.numel() // dim, dim, weight.data_ptr(), offset, eps,
+        None if residual is None else residual.data_ptr(), out.data_ptr(),
+    )
+    return out
+
+
+def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding of x [T, H, D] with float32 tables cos/sin [T, D]."""
+    _check(x, "x", torch.float32)
+    _check(cos, "cos", torch.float32)
+    _check(sin, "sin", torch.float32)
+    tokens, heads, d = x.shape
+    if cos.shape != (tokens, d) or sin.shape != (tokens, d):
+        raise ValueError(f"tables {tuple(cos.shape)} do not match x {tuple(x.shape)}")
+    out = torch.empty_like(x)
+    _lib().loom_rope_neox(
+        x.data_ptr(), tokens, heads, d, cos.data_ptr(), sin.data_ptr(), out.data_ptr()
+    )
+    return out

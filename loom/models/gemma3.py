@@ -55,9 +55,8 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """One decoder block."""
-        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)))
-        h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        return x + h
+        x = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)), x)
+        return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)), x)
 
 
 class Gemma3ForCausalLM(CausalLM):

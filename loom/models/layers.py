@@ -8,6 +8,7 @@ from torch import nn
 
 from loom.attention import AttentionSpec, PagedAttention
 from loom.errors import UnsupportedModelError
+from loom.kernels import cpu_kernels_available, rms_norm
 from loom.models.rope import RopeSpec, RotaryEmbedding
 
 _ACTIVATIONS = {
@@ -18,7 +19,11 @@ _ACTIVATIONS = {
 
 
 class RMSNorm(nn.Module):
-    """RMS norm computed in float32; `gemma=True` scales by (1 + w) before casting back."""
+    """RMS norm computed in float32; `gemma=True` scales by (1 + w) before casting back.
+
+    `forward(x, residual)` returns residual + norm(x) (the fused form decoder layers use).
+    Float32 CPU tensors take Loom's C kernel when it is available.
+    """
 
     def __init__(self, dim: int, eps: float, gemma: bool = False) -> None:
         super().__init__()
@@ -26,13 +31,30 @@ class RMSNorm(nn.Module):
         self.gemma = gemma
         self.weight = nn.Parameter(torch.empty(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise over the last dimension."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalise over the last dimension (then add `residual`, if given)."""
+        if _use_cpu_kernels(x) and self.weight.dtype == torch.float32:
+            return rms_norm(
+                x.contiguous(), self.weight, self.eps, 1.0 if self.gemma else 0.0,
+                None if residual is None else residual.contiguous(),
+            )
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.gemma:
-            return (h * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * h.to(x.dtype)
+            out = (h * (1.0 + self.weight.float())).to(x.dtype)
+        else:
+            out = self.weight * h.to(x.dtype)
+        return out if residual is None else residual + out
+
+
+def _use_cpu_kernels(x: torch.Tensor) -> bool:
+    """Float32 CPU inference tensors go through loom.kernels when they loaded."""
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and not x.requires_grad
+        and cpu_kernels_available()
+    )
 
 
 class GatedMLP(nn.Module):

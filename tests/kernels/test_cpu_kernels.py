@@ -9,7 +9,14 @@ import sys
 import pytest
 import torch
 
-from loom.kernels import cpu_kernels_available, kernel_status, linear_w8, paged_decode_attention
+from loom.kernels import (
+    cpu_kernels_available,
+    kernel_status,
+    linear_w8,
+    paged_decode_attention,
+    rms_norm,
+    rope_neox,
+)
 
 pytestmark = pytest.mark.skipif(
     not cpu_kernels_available(), reason=f"CPU kernels unavailable: {kernel_status()}"
@@ -88,3 +95,28 @@ def test_switch_off_falls_back_to_torch_paths() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == "disabled by LOOM_CPU_KERNELS=0 torch"
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_torch(offset: float, with_residual: bool) -> None:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 17, 100, generator=g) * 4
+    w = torch.randn(100, generator=g)
+    res = torch.randn(3, 17, 100, generator=g) if with_residual else None
+    out = rms_norm(x, w, 1e-6, offset, res)
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (w + offset)
+    if res is not None:
+        ref = ref + res
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_neox_matches_rotate_half() -> None:
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(5, 3, 8, generator=g)
+    angles = torch.randn(5, 4, generator=g)
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    rotated = torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
+    ref = x * cos[:, None] + rotated * sin[:, None]
+    torch.testing.assert_close(rope_neox(x, cos, sin), ref, atol=1e-6, rtol=1e-6)
