@@ -124,7 +124,8 @@ def main() -> None:
         (f"loom {dtype}", lambda: loom_runner(engine)),
     ]
     if not args.no_int8:
-        runners.append(("loom int8", lambda: _int8(args)))
+        runners.append(("loom int8", lambda: _int8(args, "int8")))
+        runners.append(("loom w8a8", lambda: _int8(args, "w8a8")))
     if not args.no_hf:
         default_dtypes = ["same"] if args.quick else ["same", "bfloat16"]
         for hf_dtype in dict.fromkeys(args.hf_dtypes or default_dtypes):
@@ -171,8 +172,8 @@ def main() -> None:
     c.finish(NAME, TITLE, result, render, args.no_doc)
 
 
-def _int8(args: Any) -> Runner | None:
-    engine = c.try_int8_engine(args)
+def _int8(args: Any, mode: str) -> Runner | None:
+    engine = c.try_int8_engine(args, mode)
     return None if engine is None else loom_runner(engine)
 
 

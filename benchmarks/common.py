@@ -393,12 +393,14 @@ def make_engine(args: argparse.Namespace, **kwargs: Any) -> Any:
     return LLMEngine.from_engine_args(engine_args)
 
 
-def try_int8_engine(args: argparse.Namespace, **kwargs: Any) -> Any | None:
-    """An int8 engine if `EngineArgs(quantization="int8")` is accepted, else None (printed)."""
+def try_int8_engine(
+    args: argparse.Namespace, mode: str = "int8", **kwargs: Any
+) -> Any | None:
+    """An engine quantised as `mode` ("int8" or "w8a8") if accepted, else None (printed)."""
     try:
-        return make_engine(args, quantization="int8", **kwargs)
+        return make_engine(args, quantization=mode, **kwargs)
     except Exception as exc:
-        skip(f"loom int8: skipped (quantization='int8' not accepted: {exc})")
+        skip(f"loom {mode}: skipped (quantization={mode!r} not accepted: {exc})")
         return None
 
 

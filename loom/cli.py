@@ -22,7 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--device", default="auto")
-    gen.add_argument("--quantization", default=None, choices=[None, "int8"])
+    gen.add_argument("--quantization", default=None, choices=[None, "int8", "w8a8"])
     sub.add_parser("demo", help="run the live-session demo (madlibs)")
     return parser
 

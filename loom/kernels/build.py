@@ -35,6 +35,7 @@ _ptr = ctypes.c_void_p
 # Argument types of every exported function (see cpu_kernels.c for the meaning).
 SIGNATURES: dict[str, list[type]] = {
     "loom_linear_w8": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr],
+    "loom_linear_w8a8": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr],
     "loom_paged_decode_attention": [
         _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
         _f32, _f32, _ptr, _i64, _ptr,

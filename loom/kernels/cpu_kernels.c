@@ -247,3 +247,84 @@ LOOM_EXPORT void loom_rope_neox(const float *x, int64_t tokens, int64_t heads, i
         }
     }
 }
+
+/* ---- int8 weights x int8 activations (activations quantised per block of 32 on the fly) ---- */
+
+#define QBLOCK 32
+
+/* x [k] float -> xq [k] int8 and xs [k / 32] float with x ~ xq * xs per block (symmetric). */
+static void quantize_row_q8(const float *x, int64_t k, int8_t *xq, float *xs) {
+    for (int64_t b = 0; b < k / QBLOCK; b++) {
+        const float *xb = x + b * QBLOCK;
+        float amax = 0.0f;
+        for (int j = 0; j < QBLOCK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+        const float d = amax / 127.0f;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        xs[b] = d;
+        for (int j = 0; j < QBLOCK; j++) xq[b * QBLOCK + j] = (int8_t)lrintf(xb[j] * id);
+    }
+}
+
+/* Sum of the 32 int8 products of w and x as 8 int32 lanes (w in [-127, 127]). */
+static inline __m256i dot32_i8(__m256i w, __m256i x) {
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+/* y[m, n] = scale[n] * sum_k q8(x)[m, k] * w[n, k] (+ bias[n]); k a multiple of 32.
+ * Like loom_linear_w8 but with activations rounded to int8 per block of 32 (their own scale
+ * per block), so products run as integer multiply-adds. Rows are independent of each other. */
+LOOM_EXPORT void loom_linear_w8a8(const float *x, int64_t m, int64_t k, const int8_t *w,
+                                  const float *scale, const float *bias, int64_t n, float *y) {
+    const int64_t nb = k / QBLOCK;
+    int8_t *xq = (int8_t *)aligned_alloc(32, (size_t)(m * k + 32));
+    float *xs = (float *)malloc((size_t)(m * nb) * sizeof(float));
+    for (int64_t r = 0; r < m; r++) quantize_row_q8(x + r * k, k, xq + r * k, xs + r * nb);
+    const int64_t quads = n / 4;
+#pragma omp parallel for schedule(static)
+    for (int64_t qd = 0; qd < quads; qd++) {
+        const int64_t row = qd * 4;
+        const int8_t *wr = w + row * k;
+        if (qd + PREFETCH_QUADS < quads)
+            for (int64_t off = 0; off < 4 * k; off += 64)
+                _mm_prefetch((const char *)(wr + PREFETCH_QUADS * 4 * k + off), _MM_HINT_T0);
+        for (int64_t r = 0; r < m; r++) {
+            const int8_t *xr = xq + r * k;
+            const float *sr = xs + r * nb;
+            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+            __m256 acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + b * QBLOCK));
+                const __m256 d = _mm256_set1_ps(sr[b]);
+                const int8_t *wb = wr + b * QBLOCK;
+                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(
+                    _mm256_loadu_si256((const __m256i *)wb), xv)), d, acc0);
+                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(
+                    _mm256_loadu_si256((const __m256i *)(wb + k)), xv)), d, acc1);
+                acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(
+                    _mm256_loadu_si256((const __m256i *)(wb + 2 * k)), xv)), d, acc2);
+                acc3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(
+                    _mm256_loadu_si256((const __m256i *)(wb + 3 * k)), xv)), d, acc3);
+            }
+            const float s[4] = {hsum256(acc0), hsum256(acc1), hsum256(acc2), hsum256(acc3)};
+            for (int i = 0; i < 4; i++) {
+                const float v = s[i] * scale[row + i];
+                y[r * n + row + i] = bias ? v + bias[row + i] : v;
+            }
+        }
+    }
+    for (int64_t row = quads * 4; row < n; row++)
+        for (int64_t r = 0; r < m; r++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                int32_t isum = 0;
+                for (int j = 0; j < QBLOCK; j++)
+                    isum += (int32_t)w[row * k + b * QBLOCK + j] * xq[r * k + b * QBLOCK + j];
+                acc += (float)isum * xs[r * nb + b];
+            }
+            const float v = acc * scale[row];
+            y[r * n + row] = bias ? v + bias[row] : v;
+        }
+    free(xq);
+    free(xs);
+}

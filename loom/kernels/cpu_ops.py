@@ -30,9 +30,17 @@ def _check(t: torch.Tensor, name: str, dtype: torch.dtype) -> None:
 
 
 def linear_w8(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    quantize_activations: bool = False,
 ) -> torch.Tensor:
-    """x [M, K] float32 @ (weight [N, K] int8 * scale [N] float32).T + bias [N] -> [M, N]."""
+    """x [M, K] float32 @ (weight [N, K] int8 * scale [N] float32).T + bias [N] -> [M, N].
+
+    `quantize_activations=True` rounds each block of 32 activations to int8 (own scale) and
+    multiplies in integers: about twice the speed, slightly less exact; needs K % 32 == 0.
+    """
     _check(x, "x", torch.float32)
     _check(weight, "weight", torch.int8)
     _check(scale, "scale", torch.float32)
@@ -41,10 +49,13 @@ def linear_w8(
     if weight.shape[1] != k or scale.shape != (n,):
         raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}, scale "
                          f"{tuple(scale.shape)} do not match")
+    if quantize_activations and k % 32:
+        raise ValueError(f"quantize_activations needs K % 32 == 0, got K = {k}")
     if bias is not None:
         _check(bias, "bias", torch.float32)
     y = torch.empty((m, n), dtype=torch.float32)
-    _lib().loom_linear_w8(
+    fn = _lib().loom_linear_w8a8 if quantize_activations else _lib().loom_linear_w8
+    fn(
         x.data_ptr(), m, k, weight.data_ptr(), scale.data_ptr(),
         None if bias is None else bias.data_ptr(), n, y.data_ptr(),
     )

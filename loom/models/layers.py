@@ -71,9 +71,37 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
+        # Set by `fuse()`: one [2 * intermediate, hidden] projection replacing gate and up.
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        """Stack gate and up into one projection (one weight read per step instead of two)."""
+        self.gate_up_proj = _stack_linears([self.gate_proj, self.up_proj])
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the gated feed-forward block."""
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _stack_linears(linears: list[nn.Linear]) -> nn.Linear:
+    """One nn.Linear whose output is the concatenation of the given layers' outputs."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    biases = [lin.bias for lin in linears]
+    has_bias = any(b is not None for b in biases)
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias,
+                      device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(weight)
+        if has_bias:
+            fused.bias.copy_(torch.cat([
+                b.detach() if b is not None else torch.zeros(lin.out_features, dtype=weight.dtype)
+                for b, lin in zip(biases, linears, strict=True)
+            ]))
+    return fused
 
 
 class SelfAttention(nn.Module):
@@ -105,15 +133,34 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(d, qk_norm_eps, gemma=gemma_norm)
         self.rotary = RotaryEmbedding(d, rope)
         self.attn = PagedAttention(layer_idx, spec)
+        # Set by `fuse()`: one projection producing [q | k | v].
+        self.qkv_proj: nn.Linear | None = None
+        self.qkv_sizes = (h * d, kv * d, kv * d)
+
+    def fuse(self) -> None:
+        """Stack q, k and v into one projection (one weight read per step instead of three)."""
+        self.qkv_proj = _stack_linears([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v)
         return self.o_proj(out)
+
+
+def fuse_projections(model: nn.Module) -> nn.Module:
+    """Stack the q/k/v and gate/up projections of every layer (after weights are loaded)."""
+    for module in model.modules():
+        if isinstance(module, SelfAttention | GatedMLP):
+            module.fuse()
+    return model

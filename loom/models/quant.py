@@ -36,8 +36,12 @@ DEQUANTIZE_MIN_ROWS = 32
 class Int8Linear(nn.Module):
     """y = x @ (w_int8 * scale).T + bias, reading int8 weights at run time."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, quantize_activations: bool = False
+    ) -> None:
         super().__init__()
+        # w8a8: the CPU kernel also rounds activations to int8 per block of 32 (small batches).
+        self.quantize_activations = quantize_activations and weight.shape[1] % 32 == 0
         self.out_features, self.in_features = weight.shape
         w_int8, scales = quantize_weight_int8(weight)
         self.register_buffer("weight_int8", w_int8)
@@ -57,9 +61,10 @@ class Int8Linear(nn.Module):
                 and cpu_kernels_available():
             x32 = x.reshape(rows, self.in_features).contiguous()
             bias = None if self.bias is None else self.bias.float()
-            return linear_w8(x32, self.weight_int8, self.scales_f32.float(), bias).view(
-                *lead, self.out_features
+            y = linear_w8(
+                x32, self.weight_int8, self.scales_f32.float(), bias, self.quantize_activations
             )
+            return y.view(*lead, self.out_features)
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if x2.shape[0] >= DEQUANTIZE_MIN_ROWS:
             # Prefill-sized calls are compute-bound, where the int8 kernel is slow: dequantise
@@ -75,13 +80,17 @@ class Int8Linear(nn.Module):
         return y.view(*lead, self.out_features)
 
 
-def quantize_model_int8(model: nn.Module) -> nn.Module:
-    """Replace every nn.Linear of `model` (the output projection included) by Int8Linear."""
+def quantize_model_int8(model: nn.Module, quantize_activations: bool = False) -> nn.Module:
+    """Replace every nn.Linear of `model` (the output projection included) by Int8Linear.
+
+    `quantize_activations=True` is the "w8a8" mode: small batches on the CPU kernel also round
+    activations to int8 per block of 32.
+    """
     targets = [
         (name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)
     ]
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear(linear.weight, linear.bias))
+        setattr(parent, child, Int8Linear(linear.weight, linear.bias, quantize_activations))
     return model
