@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from tiny_models import TinyModel, chunk
 
-from loom.models.quant import DEQUANTIZE_MIN_ROWS, Int8Linear, quantize_weight_int8
+from loom.kernels import cpu_kernels_available
+from loom.models.quant import (
+    DEQUANTIZE_MIN_ROWS,
+    KERNEL_MAX_ROWS,
+    Int8Linear,
+    quantize_weight_int8,
+)
 from loom.runner import ModelRunner, build_model
 
 
@@ -38,15 +45,15 @@ def test_int8_prefill_path_agrees_with_kernel_path() -> None:
     torch.manual_seed(1)
     lin = torch.nn.Linear(96, 48, bias=False)
     q = Int8Linear(lin.weight, None)
-    x = torch.randn(DEQUANTIZE_MIN_ROWS + 8, 96)
+    x = torch.randn(max(DEQUANTIZE_MIN_ROWS, KERNEL_MAX_ROWS) + 8, 96)
     many = q(x)  # dequantised float matmul
     rows = torch.cat([q(x[i : i + 1]) for i in range(x.shape[0])])  # int8 kernel, row by row
     # The kernel returns bfloat16 sums; the float path keeps float32 ones: bf16 rounding apart.
     torch.testing.assert_close(many, rows, atol=1e-2, rtol=8e-3)
 
 
-def _int8_runner(tiny_model: TinyModel) -> ModelRunner:
-    config, model = build_model(tiny_model.path, torch.float32, quantization="int8")
+def _int8_runner(tiny_model: TinyModel, mode: str = "int8") -> ModelRunner:
+    config, model = build_model(tiny_model.path, torch.float32, quantization=mode)
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     return ModelRunner(config, model, "cpu", torch.float32, 64, 4)
 
@@ -60,11 +67,12 @@ def _prefill_then_decode(runner: ModelRunner, tokens: list[int], split: int) -> 
     return torch.cat(out)
 
 
-def test_int8_logits_close_to_float32(tiny_model: TinyModel) -> None:
+@pytest.mark.parametrize("mode", ["int8", "w8a8"])
+def test_int8_logits_close_to_float32(tiny_model: TinyModel, mode: str) -> None:
     """Prefill + decode logits of the int8 model stay near float32's; argmax mostly equal."""
     tokens = _prompt(24, 3, tiny_model.loom_config.vocab_size)
     ref = _prefill_then_decode(tiny_model.runner(), tokens, 16)
-    got = _prefill_then_decode(_int8_runner(tiny_model), tokens, 16)
+    got = _prefill_then_decode(_int8_runner(tiny_model, mode), tokens, 16)
     assert float((got - ref).abs().max()) < 0.05 * float(ref.abs().max())
     agree = int((got.argmax(-1) == ref.argmax(-1)).sum())
     assert agree >= ref.shape[0] - 2, f"{tiny_model.name}: argmax agrees on {agree}/{ref.shape[0]}"
@@ -76,3 +84,16 @@ def test_int8_embedding_lookup_stays_exact(tiny_model: TinyModel) -> None:
     ref = tiny_model.loom_model.model.embed_tokens.weight
     assert torch.equal(model.model.embed_tokens.weight, ref)
     assert isinstance(model.lm_head, Int8Linear)
+
+
+def test_w8a8_rounds_activations_only_in_the_kernel() -> None:
+    """w8a8 differs from int8 by activation rounding alone: close, and not bit-identical."""
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(64, 40, bias=True)
+    exact, rounded = Int8Linear(lin.weight, lin.bias), Int8Linear(lin.weight, lin.bias, True)
+    assert rounded.quantize_activations
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(rounded(x), exact(x), atol=0.02, rtol=0.02)
+    if cpu_kernels_available():
+        assert not torch.equal(rounded(x), exact(x))
+    assert not Int8Linear(torch.randn(8, 40), None, True).quantize_activations  # K % 32 != 0
