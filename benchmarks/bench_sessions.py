@@ -123,6 +123,8 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=None,
                         help="default 256 512 1024 2048 4096 (quick: up to 1024)")
     parser.add_argument("--append-tokens", type=int, default=16)
+    parser.add_argument("--loom-quantization", nargs="*", default=["w8a8"],
+                        help="also run Loom quantised this way (default: w8a8)")
     parser.add_argument("--resubmit-max", type=int, default=None,
                         help="re-submit only up to this context (default: all)")
     args = parser.parse_args()
@@ -135,18 +137,25 @@ def main() -> None:
     max_len = max(args.contexts) + args.append_tokens
     # Every session at the longest context, plus one re-submit, without preemption.
     blocks = (args.num_sessions + 1) * (math.ceil(max_len / 16) + 2) + 16
-    engine = c.make_engine(args, num_kv_blocks=blocks, max_model_len=max_len + 64)
-    dtype = engine.config.dtype
-    tok = engine.tokenizer
-    prefix = tok.encode(MADLIBS, add_special_tokens=True)
-    streams = [prefix + c.prompt_token_ids(tok, max_len, seed=100 + i)[1:]
-               for i in range(args.num_sessions)]
-    append = c.prompt_token_ids(tok, args.append_tokens + 1, seed=7)[1:]
     results: dict[str, Any] = {}
     skipped: list[str] = []
-    results["loom"] = run_loom(engine, args, streams, append)
-    assert engine.kv_pool_all_free, "sessions leaked KV blocks"
-    del engine
+    for mode in ["default", *args.loom_quantization]:
+        quantization = None if mode == "default" else mode
+        engine = c.make_engine(args, num_kv_blocks=blocks, max_model_len=max_len + 64,
+                               quantization=quantization)
+        if mode == "default":
+            dtype = engine.config.dtype
+            tok = engine.tokenizer
+            prefix = tok.encode(MADLIBS, add_special_tokens=True)
+            streams = [prefix + c.prompt_token_ids(tok, max_len, seed=100 + i)[1:]
+                       for i in range(args.num_sessions)]
+            append = c.prompt_token_ids(tok, args.append_tokens + 1, seed=7)[1:]
+        c.log(f"loom {mode}")
+        results["loom" if quantization is None else f"loom {mode}"] = run_loom(
+            engine, args, streams, append
+        )
+        assert engine.kv_pool_all_free, "sessions leaked KV blocks"
+        del engine
 
     hf = c.load_hf(args.model, dtype, disabled=args.no_hf)
     if hf is None:
@@ -180,10 +189,15 @@ def render(result: dict[str, Any]) -> str:
         lm = res["loom"][n]
         hf = res.get("transformers", {}).get(n, {}).get("append_ms")
         lc = res.get("llama.cpp", {}).get(n, {}).get("append_ms")
-        rows.append([n, lm["live_ms"], lm.get("resubmit_ms"), lm.get("live_over_resubmit"),
-                     hf, lc, c.ratio(lm["live_ms"], hf), c.ratio(lm["live_ms"], lc)])
+        variants = [k for k in res if k.startswith("loom") and n in res[k]]
+        for label in variants:
+            lm = res[label][n]
+            name = f"{label} {result['dtype']}" if label == "loom" else label
+            rows.append([n, name, lm["live_ms"], lm.get("resubmit_ms"),
+                         lm.get("live_over_resubmit"), hf, lc, c.ratio(lm["live_ms"], hf),
+                         c.ratio(lm["live_ms"], lc)])
     table = c.markdown_table(
-        ["context", "Loom live append ms", "Loom re-submit ms", "live/re-submit",
+        ["context", "Loom", "live append ms", "re-submit ms", "live/re-submit",
          "HF DynamicCache append ms", "llama.cpp append ms", "Loom/HF time",
          "Loom/llama.cpp time"],
         rows,

@@ -115,6 +115,8 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=16)
     parser.add_argument("--hf-dtype", default="same", help="'same' = Loom's dtype")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--loom-modes", nargs="+", default=["default", "w8a8"],
+                        help="Loom variants: 'default' (its dtype) and quantization modes")
     args = parser.parse_args()
     if args.doc_only:
         return c.rerender(NAME, TITLE, render)
@@ -128,15 +130,20 @@ def main() -> None:
 
     from loom import LLM
 
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
-              kv_cache_memory_gb=2.0)
-    dtype = llm.engine.config.dtype
-    work = make_workload(llm.tokenizer, args)
     results: dict[str, Any] = {}
     skipped: list[str] = []
-    c.log(f"loom {dtype}: {len(work)} prompts")
-    results[f"loom {dtype}"] = run_loom(llm, work)
-    del llm
+    dtype, work = None, []
+    for mode in args.loom_modes:
+        quantization = None if mode == "default" else mode
+        llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
+                  kv_cache_memory_gb=2.0, quantization=quantization)
+        if dtype is None:
+            dtype = llm.engine.config.dtype
+            work = make_workload(llm.tokenizer, args)
+        label = f"loom {dtype}" if quantization is None else f"loom {mode}"
+        c.log(f"{label}: {len(work)} prompts")
+        results[label] = run_loom(llm, work)
+        del llm
 
     hf_dtype = dtype if args.hf_dtype == "same" else args.hf_dtype
     label = f"transformers {hf_dtype} (batches of {args.hf_batch_size})"

@@ -71,6 +71,8 @@ def plot_sessions(plt: Any, result: dict[str, Any]) -> Path:
     series = [
         ("Loom live append", res["loom"], "live_ms"),
         ("Loom re-submit (new request)", res["loom"], "resubmit_ms"),
+        *[(f"{k} live append", v, "live_ms") for k, v in res.items()
+          if k.startswith("loom ")],
         ("HF DynamicCache append", res.get("transformers"), "append_ms"),
         ("llama.cpp append", res.get("llama.cpp"), "append_ms"),
     ]
