@@ -8,18 +8,22 @@ fallback once.
 from loom.kernels.build import kernel_status, load_library
 from loom.kernels.cpu_ops import (
     cpu_kernels_available,
+    linear_f32,
     linear_w8,
     paged_decode_attention,
     rms_norm,
     rope_neox,
+    use_cpu_kernels,
 )
 
 __all__ = [
     "cpu_kernels_available",
     "kernel_status",
+    "linear_f32",
     "linear_w8",
     "load_library",
     "paged_decode_attention",
     "rms_norm",
     "rope_neox",
+    "use_cpu_kernels",
 ]

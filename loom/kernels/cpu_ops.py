@@ -14,6 +14,17 @@ def cpu_kernels_available() -> bool:
     return load_library() is not None
 
 
+def use_cpu_kernels(x: torch.Tensor) -> bool:
+    """Whether a layer should hand float32 CPU tensor `x` to these kernels: they loaded, and
+    no gradient is being recorded (they have no autograd; the runner uses inference_mode)."""
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and not torch.is_grad_enabled()
+        and cpu_kernels_available()
+    )
+
+
 def _lib() -> ctypes.CDLL:
     lib = load_library()
     if lib is None:
@@ -58,6 +69,24 @@ def linear_w8(
     fn(
         x.data_ptr(), m, k, weight.data_ptr(), scale.data_ptr(),
         None if bias is None else bias.data_ptr(), n, y.data_ptr(),
+    )
+    return y
+
+
+def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T + bias [N], all float32, for small M (decode batches)."""
+    _check(x, "x", torch.float32)
+    _check(weight, "weight", torch.float32)
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)} do not match")
+    if bias is not None:
+        _check(bias, "bias", torch.float32)
+    y = torch.empty((m, n), dtype=torch.float32)
+    _lib().loom_linear_f32(
+        x.data_ptr(), m, k, weight.data_ptr(), None if bias is None else bias.data_ptr(), n,
+        y.data_ptr(),
     )
     return y
 

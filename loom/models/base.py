@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from loom.models.config import ModelConfig
+from loom.models.layers import Linear
 
 
 class DecoderBody(nn.Module):
@@ -38,7 +39,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = body
         self.tie_embeddings = tie_embeddings
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from loom.attention import AttentionSpec, PagedAttention
 from loom.errors import UnsupportedModelError
-from loom.kernels import cpu_kernels_available, rms_norm
+from loom.kernels import linear_f32, rms_norm, use_cpu_kernels
 from loom.models.rope import RopeSpec, RotaryEmbedding
 
 _ACTIVATIONS = {
@@ -16,6 +16,28 @@ _ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose small float32 CPU batches (decode steps) run on Loom's C kernel.
+
+    Measured on a 2-core AVX2 CPU: the kernel beats torch's matmul below 32 rows, and below
+    128 rows for weights larger than the L3 cache (Gemma's 262,144 x 640 output projection:
+    30 ms against 53 ms for one row, 50 against 159 ms for eight).
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """y = x @ weight.T + bias."""
+        rows = x.numel() // self.in_features if x.numel() else 0
+        big = self.weight.numel() >= 8 * 1024 * 1024
+        if (
+            0 < rows < (128 if big else 32)
+            and self.weight.dtype == torch.float32
+            and use_cpu_kernels(x)
+        ):
+            y = linear_f32(x.reshape(rows, self.in_features).contiguous(), self.weight, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
+        return super().forward(x)
 
 
 class RMSNorm(nn.Module):
@@ -33,7 +55,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """Normalise over the last dimension (then add `residual`, if given)."""
-        if _use_cpu_kernels(x) and self.weight.dtype == torch.float32:
+        if use_cpu_kernels(x) and self.weight.dtype == torch.float32:
             return rms_norm(
                 x.contiguous(), self.weight, self.eps, 1.0 if self.gemma else 0.0,
                 None if residual is None else residual.contiguous(),
@@ -47,16 +69,6 @@ class RMSNorm(nn.Module):
         return out if residual is None else residual + out
 
 
-def _use_cpu_kernels(x: torch.Tensor) -> bool:
-    """Float32 CPU inference tensors go through loom.kernels when they loaded."""
-    return (
-        x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and not x.requires_grad
-        and cpu_kernels_available()
-    )
-
-
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x))."""
 
@@ -67,9 +79,9 @@ class GatedMLP(nn.Module):
                 f"activation {activation!r} not supported; supported: {sorted(_ACTIVATIONS)}"
             )
         self.act = _ACTIVATIONS[activation]
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
         # Set by `fuse()`: one [2 * intermediate, hidden] projection replacing gate and up.
         self.gate_up_proj: nn.Linear | None = None
@@ -92,7 +104,7 @@ def _stack_linears(linears: list[nn.Linear]) -> nn.Linear:
     weight = torch.cat([lin.weight.detach() for lin in linears])
     biases = [lin.bias for lin in linears]
     has_bias = any(b is not None for b in biases)
-    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias,
+    fused = Linear(weight.shape[1], weight.shape[0], bias=has_bias,
                       device=weight.device, dtype=weight.dtype)
     with torch.no_grad():
         fused.weight.copy_(weight)
@@ -122,10 +134,10 @@ class SelfAttention(nn.Module):
         super().__init__()
         h, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
-        self.q_proj = nn.Linear(hidden_size, h * d, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden_size, kv * d, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden_size, kv * d, bias=qkv_bias)
-        self.o_proj = nn.Linear(h * d, hidden_size, bias=o_bias)
+        self.q_proj = Linear(hidden_size, h * d, bias=qkv_bias)
+        self.k_proj = Linear(hidden_size, kv * d, bias=qkv_bias)
+        self.v_proj = Linear(hidden_size, kv * d, bias=qkv_bias)
+        self.o_proj = Linear(h * d, hidden_size, bias=o_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if qk_norm_eps is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loom.kernels import cpu_kernels_available, linear_w8
+from loom.kernels import linear_w8, use_cpu_kernels
 
 
 def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,8 +60,7 @@ class Int8Linear(nn.Module):
         """Apply the layer to x [..., K] -> [..., N] in x's dtype."""
         lead = x.shape[:-1]
         rows = x.numel() // self.in_features
-        if rows < KERNEL_MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu" \
-                and cpu_kernels_available():
+        if rows < KERNEL_MAX_ROWS and use_cpu_kernels(x):
             x32 = x.reshape(rows, self.in_features).contiguous()
             bias = None if self.bias is None else self.bias.float()
             y = linear_w8(

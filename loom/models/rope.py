@@ -11,7 +11,7 @@ from torch import nn
 
 from loom.attention.context import get_forward_context
 from loom.errors import UnsupportedModelError
-from loom.kernels import cpu_kernels_available, rope_neox
+from loom.kernels import rope_neox, use_cpu_kernels
 
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -117,7 +117,7 @@ class RotaryEmbedding(nn.Module):
         if not isinstance(tables, tuple):
             tables = plan_cache[key] = self.cos_sin(positions, q.dtype)
         cos, sin = tables
-        if q.dtype == torch.float32 and q.device.type == "cpu" and cpu_kernels_available():
+        if use_cpu_kernels(q):
             t, d = cos.shape[0], cos.shape[-1]
             cos2, sin2 = cos.view(t, d), sin.view(t, d)
             return rope_neox(q.contiguous(), cos2, sin2), rope_neox(k.contiguous(), cos2, sin2)

@@ -12,6 +12,7 @@ import torch
 from loom.kernels import (
     cpu_kernels_available,
     kernel_status,
+    linear_f32,
     linear_w8,
     paged_decode_attention,
     rms_norm,
@@ -120,3 +121,13 @@ def test_rope_neox_matches_rotate_half() -> None:
     rotated = torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
     ref = x * cos[:, None] + rotated * sin[:, None]
     torch.testing.assert_close(rope_neox(x, cos, sin), ref, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 37, 100), (5, 64, 640), (16, 9, 2048)])
+def test_linear_f32_matches_matmul_and_is_batch_invariant(m: int, n: int, k: int) -> None:
+    g = torch.Generator().manual_seed(n)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n)
+    y = linear_f32(x, w, b)
+    torch.testing.assert_close(y, x @ w.T + b, atol=1e-4, rtol=1e-5)
+    for i in range(m):
+        assert torch.equal(linear_f32(x[i : i + 1].contiguous(), w, b), y[i : i + 1])
