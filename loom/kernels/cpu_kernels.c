@@ -4,6 +4,12 @@
  * called through ctypes with tensor data pointers. All tensors are float32 unless named
  * otherwise, contiguous, and owned by the caller. Threads come from OpenMP; the library
  * links libgomp.so.1, the same runtime PyTorch has already loaded, so both share one pool.
+ *
+ * Every kernel is a `*_body` function made of OpenMP worksharing loops (each ending in a
+ * barrier), which all threads of an enclosing parallel region call together, plus an exported
+ * wrapper that opens that region. The fused decoder (end of file) runs a whole step's layers
+ * inside one region: waking sleeping threads for every small operation costs more than the
+ * operation itself on a decode step.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -83,11 +89,10 @@ static void tile4_accumulate(const float *tile, int64_t kc, const float *x, int6
  * x [m, k] float32, w [n, k] int8 row-major, scale [n] float32, bias [n] or NULL, y [m, n].
  * Output rows are computed independently of one another, so a row's result does not depend
  * on what else is in the batch except through m == 1 vs m > 1 (summation order). */
-LOOM_EXPORT void loom_linear_w8(const float *x, int64_t m, int64_t k, const int8_t *w,
-                                const float *scale, const float *bias, int64_t n, float *y) {
+static void w8_body(const float *x, int64_t m, int64_t k, const int8_t *w, const float *scale,
+                    const float *bias, int64_t n, float *y) {
     const int64_t quads = n / 4;
     const int64_t k16 = k - k % 16; /* the vectorised part; the tail is summed last */
-#pragma omp parallel
     {
         float tile[4 * TILE_K] __attribute__((aligned(32)));
         float sums[4];
@@ -128,6 +133,7 @@ LOOM_EXPORT void loom_linear_w8(const float *x, int64_t m, int64_t k, const int8
         free(acc);
     }
     /* The last n % 4 rows, one at a time. */
+#pragma omp single
     for (int64_t row = quads * 4; row < n; row++)
         for (int64_t r = 0; r < m; r++) {
             float s = 0.0f;
@@ -135,6 +141,12 @@ LOOM_EXPORT void loom_linear_w8(const float *x, int64_t m, int64_t k, const int8
             s *= scale[row];
             y[r * n + row] = bias ? s + bias[row] : s;
         }
+}
+
+LOOM_EXPORT void loom_linear_w8(const float *x, int64_t m, int64_t k, const int8_t *w,
+                                const float *scale, const float *bias, int64_t n, float *y) {
+#pragma omp parallel
+    w8_body(x, m, k, w, scale, bias, n, y);
 }
 
 static inline float dot_f32(const float *a, const float *b, int64_t d) {
@@ -167,13 +179,13 @@ static inline void axpy_f32(float alpha, const float *x, float *y, int64_t d) {
  *   scratch    [s * h, max_len] float32, max_len >= every seq_len
  *   out        [s, h, d]
  * Query head j reads kv head j / (h / hkv). Softmax in float32 with the max subtracted. */
-LOOM_EXPORT void loom_paged_decode_attention(
+static void attention_body(
     const float *q, const float *k_cache, const float *v_cache, const int64_t *block_tables,
     int64_t max_blocks, const int64_t *seq_lens, int64_t s, int64_t h, int64_t hkv, int64_t d,
     int64_t bs, int64_t window, float scale, float softcap, float *scratch, int64_t max_len,
     float *out) {
     const int64_t group = h / hkv;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < s * h; task++) {
         const int64_t seq = task / h, head = task % h, kvh = head / group;
         const int64_t len = seq_lens[seq];
@@ -204,12 +216,22 @@ LOOM_EXPORT void loom_paged_decode_attention(
     }
 }
 
+LOOM_EXPORT void loom_paged_decode_attention(
+    const float *q, const float *k_cache, const float *v_cache, const int64_t *block_tables,
+    int64_t max_blocks, const int64_t *seq_lens, int64_t s, int64_t h, int64_t hkv, int64_t d,
+    int64_t bs, int64_t window, float scale, float softcap, float *scratch, int64_t max_len,
+    float *out) {
+#pragma omp parallel
+    attention_body(q, k_cache, v_cache, block_tables, max_blocks, seq_lens, s, h, hkv, d, bs,
+                   window, scale, softcap, scratch, max_len, out);
+}
+
 /* out[r] = residual[r] + x[r] / rms(x[r]) * (w + offset), per row r of [rows, dim];
  * residual may be NULL (then nothing is added). offset is 1 for Gemma's (1 + w) weights and
  * 0 otherwise. Sums in float32, as torch computes the mean of squares. */
-LOOM_EXPORT void loom_rms_norm(const float *x, int64_t rows, int64_t dim, const float *w,
-                               float offset, float eps, const float *residual, float *out) {
-#pragma omp parallel for schedule(static) if (rows > 8)
+static void rms_norm_body(const float *x, int64_t rows, int64_t dim, const float *w,
+                          float offset, float eps, const float *residual, float *out) {
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * dim;
         __m256 acc = _mm256_setzero_ps();
@@ -230,13 +252,19 @@ LOOM_EXPORT void loom_rms_norm(const float *x, int64_t rows, int64_t dim, const 
     }
 }
 
+LOOM_EXPORT void loom_rms_norm(const float *x, int64_t rows, int64_t dim, const float *w,
+                               float offset, float eps, const float *residual, float *out) {
+#pragma omp parallel if (rows > 8)
+    rms_norm_body(x, rows, dim, w, offset, eps, residual, out);
+}
+
 /* Rotate-half rotary embedding: out[t, h, :] from x[t, h, :] (x and out [tokens, heads, d]),
  * with cos/sin tables [tokens, d]: out = x * cos + rotate_half(x) * sin, where
  * rotate_half(x) = (-x[d/2:], x[:d/2]). */
-LOOM_EXPORT void loom_rope_neox(const float *x, int64_t tokens, int64_t heads, int64_t d,
-                                const float *cos_t, const float *sin_t, float *out) {
+static void rope_body(const float *x, int64_t tokens, int64_t heads, int64_t d,
+                      const float *cos_t, const float *sin_t, float *out) {
     const int64_t half = d / 2;
-#pragma omp parallel for schedule(static) if (tokens * heads > 64)
+#pragma omp for schedule(static)
     for (int64_t th = 0; th < tokens * heads; th++) {
         const int64_t t = th / heads;
         const float *xv = x + th * d, *c = cos_t + t * d, *s = sin_t + t * d;
@@ -246,6 +274,12 @@ LOOM_EXPORT void loom_rope_neox(const float *x, int64_t tokens, int64_t heads, i
             o[j + half] = xv[j + half] * c[j + half] + xv[j] * s[j + half];
         }
     }
+}
+
+LOOM_EXPORT void loom_rope_neox(const float *x, int64_t tokens, int64_t heads, int64_t d,
+                                const float *cos_t, const float *sin_t, float *out) {
+#pragma omp parallel if (tokens * heads > 64)
+    rope_body(x, tokens, heads, d, cos_t, sin_t, out);
 }
 
 /* ---- int8 weights x int8 activations (activations quantised per block of 32 on the fly) ---- */
@@ -274,14 +308,17 @@ static inline __m256i dot32_i8(__m256i w, __m256i x) {
 /* y[m, n] = scale[n] * sum_k q8(x)[m, k] * w[n, k] (+ bias[n]); k a multiple of 32.
  * Like loom_linear_w8 but with activations rounded to int8 per block of 32 (their own scale
  * per block), so products run as integer multiply-adds. Rows are independent of each other. */
-LOOM_EXPORT void loom_linear_w8a8(const float *x, int64_t m, int64_t k, const int8_t *w,
-                                  const float *scale, const float *bias, int64_t n, float *y) {
+/* xq [m, k] and xs [m, k / 32]: every row of x quantised per block (rows split over threads). */
+static void quantize_rows_body(const float *x, int64_t m, int64_t k, int8_t *xq, float *xs) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++) quantize_row_q8(x + r * k, k, xq + r * k, xs + r * (k / QBLOCK));
+}
+
+static void w8a8_body(const int8_t *xq, const float *xs, int64_t m, int64_t k, const int8_t *w,
+                      const float *scale, const float *bias, int64_t n, float *y) {
     const int64_t nb = k / QBLOCK;
-    int8_t *xq = (int8_t *)aligned_alloc(32, (size_t)(m * k + 32));
-    float *xs = (float *)malloc((size_t)(m * nb) * sizeof(float));
-    for (int64_t r = 0; r < m; r++) quantize_row_q8(x + r * k, k, xq + r * k, xs + r * nb);
     const int64_t quads = n / 4;
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
     for (int64_t qd = 0; qd < quads; qd++) {
         const int64_t row = qd * 4;
         const int8_t *wr = w + row * k;
@@ -313,6 +350,7 @@ LOOM_EXPORT void loom_linear_w8a8(const float *x, int64_t m, int64_t k, const in
             }
         }
     }
+#pragma omp single
     for (int64_t row = quads * 4; row < n; row++)
         for (int64_t r = 0; r < m; r++) {
             float acc = 0.0f;
@@ -325,6 +363,20 @@ LOOM_EXPORT void loom_linear_w8a8(const float *x, int64_t m, int64_t k, const in
             const float v = acc * scale[row];
             y[r * n + row] = bias ? v + bias[row] : v;
         }
+}
+
+/* y[m, n] = scale[n] * sum_k q8(x)[m, k] * w[n, k] (+ bias[n]); k a multiple of 32.
+ * Like loom_linear_w8 but with activations rounded to int8 per block of 32 (their own scale
+ * per block), so products run as integer multiply-adds. Rows are independent of each other. */
+LOOM_EXPORT void loom_linear_w8a8(const float *x, int64_t m, int64_t k, const int8_t *w,
+                                  const float *scale, const float *bias, int64_t n, float *y) {
+    int8_t *xq = (int8_t *)aligned_alloc(32, (size_t)((m * k + 31) / 32 * 32));
+    float *xs = (float *)malloc((size_t)(m * (k / QBLOCK) + 1) * sizeof(float));
+#pragma omp parallel
+    {
+        quantize_rows_body(x, m, k, xq, xs);
+        w8a8_body(xq, xs, m, k, w, scale, bias, n, y);
+    }
     free(xq);
     free(xs);
 }
@@ -334,11 +386,11 @@ LOOM_EXPORT void loom_linear_w8a8(const float *x, int64_t m, int64_t k, const in
 /* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), float32, w row-major [n, k]. One code path
  * for every m (four weight rows at a time, each x row in turn while the rows sit in cache),
  * so a row's result never depends on the batch. */
-LOOM_EXPORT void loom_linear_f32(const float *x, int64_t m, int64_t k, const float *w,
-                                 const float *bias, int64_t n, float *y) {
+static void f32_body(const float *x, int64_t m, int64_t k, const float *w, const float *bias,
+                     int64_t n, float *y) {
     const int64_t quads = n / 4;
     const int64_t k16 = k - k % 16;
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
     for (int64_t qd = 0; qd < quads; qd++) {
         const int64_t row = qd * 4;
         const float *wr = w + row * k;
@@ -364,10 +416,178 @@ LOOM_EXPORT void loom_linear_f32(const float *x, int64_t m, int64_t k, const flo
             }
         }
     }
+#pragma omp single
     for (int64_t row = quads * 4; row < n; row++)
         for (int64_t r = 0; r < m; r++) {
             float s = 0.0f;
             for (int64_t t = 0; t < k; t++) s += w[row * k + t] * x[r * k + t];
             y[r * n + row] = bias ? s + bias[row] : s;
         }
+}
+
+LOOM_EXPORT void loom_linear_f32(const float *x, int64_t m, int64_t k, const float *w,
+                                 const float *bias, int64_t n, float *y) {
+#pragma omp parallel
+    f32_body(x, m, k, w, bias, n, y);
+}
+
+/* ---- one decoder layer for a batch of decoding sequences, in one call ---- */
+
+/* A linear layer as the fused decoder sees it. */
+typedef struct {
+    int32_t kind; /* 0 float32 weight, 1 int8 weight-only, 2 int8 weights x int8 activations */
+    int32_t reserved;
+    int64_t in_features, out_features;
+    const void *weight; /* float32 or int8 [out_features, in_features] */
+    const float *scale; /* [out_features] for the int8 kinds */
+    const float *bias;  /* [out_features] or NULL */
+} LoomLinear;
+
+/* A pre-norm decoder layer (Llama, Qwen2/3) or, with sandwich_norms, Gemma's layer with norms
+ * after attention and after the MLP as well. Norms compute x / rms(x) * (w + norm_offset). */
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, norm_offset;
+    int32_t activation;     /* 0 silu, 1 gelu with the tanh approximation */
+    int32_t sandwich_norms; /* 1: x + norm(attn), x + norm(mlp); 0: x + attn, x + mlp */
+    float attn_scale, softcap; /* softcap 0 = off */
+    int64_t window;            /* 0 = full attention */
+    LoomLinear qkv, o, gate_up, down;
+    const float *input_norm, *post_attn_norm, *pre_ffn_norm, *post_ffn_norm;
+    const float *q_norm, *k_norm; /* NULL: no QK norm */
+} LoomDecoderLayer;
+
+/* Workspace for quantised activations: xq [m, max_k] int8, xs [m, max_k / 32]. */
+static void linear_any_body(const LoomLinear *l, const float *x, int64_t m, float *y, int8_t *xq,
+                            float *xs) {
+    if (l->kind == 0) {
+        f32_body(x, m, l->in_features, (const float *)l->weight, l->bias, l->out_features, y);
+    } else if (l->kind == 1) {
+        w8_body(x, m, l->in_features, (const int8_t *)l->weight, l->scale, l->bias,
+                l->out_features, y);
+    } else {
+        quantize_rows_body(x, m, l->in_features, xq, xs);
+        w8a8_body(xq, xs, m, l->in_features, (const int8_t *)l->weight, l->scale, l->bias,
+                  l->out_features, y);
+    }
+}
+
+static inline float gelu_tanh(float v) {
+    const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
+    return 0.5f * v * (1.0f + tanhf(c * (v + 0.044715f * v * v * v)));
+}
+
+/* Buffers one layer needs, shared by the threads of the step's parallel region. */
+typedef struct {
+    float *h, *qkv, *q, *k, *q_rot, *k_rot, *attn, *scores, *gu, *act;
+    int8_t *xq;
+    float *xs;
+} Workspace;
+
+/* One layer, called by every thread of the enclosing parallel region. */
+static void decode_layer_body(const LoomDecoderLayer *L, float *x, int64_t m, const float *cos_t,
+                              const float *sin_t, float *k_cache, float *v_cache,
+                              const int64_t *slots, const int64_t *block_tables,
+                              int64_t max_blocks, const int64_t *seq_lens, int64_t block_size,
+                              int64_t span, const Workspace *ws) {
+    const int64_t hid = L->hidden, d = L->head_dim, inter = L->intermediate;
+    const int64_t qd = L->heads * d, kd = L->kv_heads * d, qkv_n = qd + 2 * kd;
+
+    /* Attention block. */
+    rms_norm_body(x, m, hid, L->input_norm, L->norm_offset, L->eps, NULL, ws->h);
+    linear_any_body(&L->qkv, ws->h, m, ws->qkv, ws->xq, ws->xs);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        memcpy(ws->q + r * qd, ws->qkv + r * qkv_n, (size_t)qd * sizeof(float));
+        memcpy(ws->k + r * kd, ws->qkv + r * qkv_n + qd, (size_t)kd * sizeof(float));
+    }
+    if (L->q_norm)
+        rms_norm_body(ws->q, m * L->heads, d, L->q_norm, L->norm_offset, L->eps, NULL, ws->q);
+    if (L->k_norm)
+        rms_norm_body(ws->k, m * L->kv_heads, d, L->k_norm, L->norm_offset, L->eps, NULL, ws->k);
+    rope_body(ws->q, m, L->heads, d, cos_t, sin_t, ws->q_rot);
+    rope_body(ws->k, m, L->kv_heads, d, cos_t, sin_t, ws->k_rot);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        memcpy(k_cache + slots[r] * kd, ws->k_rot + r * kd, (size_t)kd * sizeof(float));
+        memcpy(v_cache + slots[r] * kd, ws->qkv + r * qkv_n + qd + kd, (size_t)kd * sizeof(float));
+    }
+    attention_body(ws->q_rot, k_cache, v_cache, block_tables, max_blocks, seq_lens, m, L->heads,
+                   L->kv_heads, d, block_size, L->window, L->attn_scale, L->softcap, ws->scores,
+                   span, ws->attn);
+    linear_any_body(&L->o, ws->attn, m, ws->h, ws->xq, ws->xs);
+    if (L->sandwich_norms) {
+        rms_norm_body(ws->h, m, hid, L->post_attn_norm, L->norm_offset, L->eps, x, x);
+    } else {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < m * hid; t++) x[t] += ws->h[t];
+    }
+
+    /* Feed-forward block. */
+    rms_norm_body(x, m, hid, L->pre_ffn_norm, L->norm_offset, L->eps, NULL, ws->h);
+    linear_any_body(&L->gate_up, ws->h, m, ws->gu, ws->xq, ws->xs);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < m * inter; t++) {
+        const int64_t r = t / inter, j = t % inter;
+        const float g = ws->gu[r * 2 * inter + j], u = ws->gu[r * 2 * inter + inter + j];
+        const float a = L->activation == 1 ? gelu_tanh(g) : g / (1.0f + expf(-g));
+        ws->act[t] = a * u;
+    }
+    linear_any_body(&L->down, ws->act, m, ws->h, ws->xq, ws->xs);
+    if (L->sandwich_norms) {
+        rms_norm_body(ws->h, m, hid, L->post_ffn_norm, L->norm_offset, L->eps, x, x);
+    } else {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < m * hid; t++) x[t] += ws->h[t];
+    }
+}
+
+/* All decoder layers of a decode step: x [m, hidden] (updated in place) holds one token of
+ * each of m sequences. The token of sequence i sits at cache slot slots[i] and position
+ * seq_lens[i] - 1; layer l rotates with cos_t[l]/sin_t[l] [m, head_dim] and keeps its cache in
+ * k_caches[l]/v_caches[l] [blocks, block_size, kv_heads, head_dim]. K/V of the new tokens are
+ * written first; attention then reads each context from the paged cache (block_tables
+ * [m, max_blocks]). Each layer runs the kernels above in the order the modules call them. */
+LOOM_EXPORT void loom_decode_layers(const LoomDecoderLayer *layers, int64_t num_layers, float *x,
+                                    int64_t m, const float *const *cos_t,
+                                    const float *const *sin_t, float *const *k_caches,
+                                    float *const *v_caches, const int64_t *slots,
+                                    const int64_t *block_tables, int64_t max_blocks,
+                                    const int64_t *seq_lens, int64_t block_size,
+                                    int64_t max_len) {
+    int64_t qkv_n = 0, qd = 0, kd = 0, hid = 0, inter = 0, max_k = 0, heads = 0;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const LoomDecoderLayer *L = &layers[l];
+        const int64_t lq = L->heads * L->head_dim, lk = L->kv_heads * L->head_dim;
+        qd = lq > qd ? lq : qd;
+        kd = lk > kd ? lk : kd;
+        qkv_n = lq + 2 * lk > qkv_n ? lq + 2 * lk : qkv_n;
+        hid = L->hidden > hid ? L->hidden : hid;
+        inter = L->intermediate > inter ? L->intermediate : inter;
+        heads = L->heads > heads ? L->heads : heads;
+    }
+    max_k = hid > qd ? hid : qd;
+    max_k = inter > max_k ? inter : max_k;
+    Workspace ws;
+    ws.h = (float *)malloc((size_t)(m * hid) * sizeof(float));
+    ws.qkv = (float *)malloc((size_t)(m * qkv_n) * sizeof(float));
+    ws.q = (float *)malloc((size_t)(m * qd) * sizeof(float));
+    ws.k = (float *)malloc((size_t)(m * kd) * sizeof(float));
+    ws.q_rot = (float *)malloc((size_t)(m * qd) * sizeof(float));
+    ws.k_rot = (float *)malloc((size_t)(m * kd) * sizeof(float));
+    ws.attn = (float *)malloc((size_t)(m * qd) * sizeof(float));
+    ws.scores = (float *)malloc((size_t)(m * heads * (max_len > 0 ? max_len : 1)) * sizeof(float));
+    ws.gu = (float *)malloc((size_t)(m * 2 * inter) * sizeof(float));
+    ws.act = (float *)malloc((size_t)(m * inter) * sizeof(float));
+    ws.xq = (int8_t *)aligned_alloc(32, (size_t)((m * max_k + 31) / 32 * 32));
+    ws.xs = (float *)malloc((size_t)(m * (max_k / QBLOCK) + 1) * sizeof(float));
+#pragma omp parallel
+    for (int64_t l = 0; l < num_layers; l++) {
+        const LoomDecoderLayer *L = &layers[l];
+        const int64_t span = (L->window > 0 && L->window < max_len) ? L->window : max_len;
+        decode_layer_body(L, x, m, cos_t[l], sin_t[l], k_caches[l], v_caches[l], slots,
+                          block_tables, max_blocks, seq_lens, block_size, span, &ws);
+    }
+    free(ws.h), free(ws.qkv), free(ws.q), free(ws.k), free(ws.q_rot), free(ws.k_rot);
+    free(ws.attn), free(ws.scores), free(ws.gu), free(ws.act), free(ws.xq), free(ws.xs);
 }

@@ -8,7 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from loom.attention import get_forward_context
 from loom.models.config import ModelConfig
+from loom.models.fused_decode import FusedDecoder
 from loom.models.layers import Linear
 
 
@@ -31,6 +33,10 @@ class CausalLM(nn.Module):
 
     embed_scale: float | None = None
     final_softcap: float | None = None
+    # The fused CPU decode path (see fused_decode.py): off switch, decoder, and why not built.
+    use_fused_decode: bool = True
+    fused_decoder: FusedDecoder | None = None
+    fused_decode_status: str = "not built"
     # HF weight-name prefixes that carry no text-model weights (vision towers, ...).
     ignored_prefixes: tuple[str, ...] = ()
 
@@ -44,14 +50,31 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Hidden states [T, H] of the packed tokens (attention metadata from the context)."""
+        """Hidden states [T, H] of the packed tokens (attention metadata from the context).
+
+        Pure-decode steps on the CPU run the layers through `FusedDecoder` when it supports
+        the model (one C call per layer); everything else runs the modules.
+        """
         h = self.model.embed_tokens(input_ids)
         if self.embed_scale is not None:
             # Scale in the model dtype, as the reference implementations do.
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype, device=h.device)
-        for layer in self.model.layers:
-            h = layer(positions, h)
+        ctx = get_forward_context()
+        fused = self._fused_decoder() if self.use_fused_decode else None
+        if fused is not None and fused.applies(h, ctx.metadata, ctx.kv_caches):
+            h = fused.run(h, positions, ctx.metadata, ctx.kv_caches)
+        else:
+            for layer in self.model.layers:
+                h = layer(positions, h)
         return self.model.norm(h)
+
+    def _fused_decoder(self) -> FusedDecoder | None:
+        """Built at the first decode (after weights, fusion and quantisation are final)."""
+        if self.fused_decoder is None and self.fused_decode_status == "not built":
+            self.fused_decoder, self.fused_decode_status = FusedDecoder.build(
+                list(self.model.layers)
+            )
+        return self.fused_decoder
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits [N, V] in float32 for the given hidden rows."""

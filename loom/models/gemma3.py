@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -27,6 +27,14 @@ def gemma3_layer_types(t: dict[str, Any], num_layers: int) -> list[str]:
 
 class Gemma3DecoderLayer(nn.Module):
     """x + post_attn_norm(attn(in_norm(x))), then x + post_ffw_norm(mlp(pre_ffw_norm(x)))."""
+
+    # Which norm plays which role, for the fused decode path (loom/models/fused_decode.py).
+    norm_roles: ClassVar[dict[str, str]] = {
+        "input": "input_layernorm",
+        "post_attn": "post_attention_layernorm",
+        "pre_ffn": "pre_feedforward_layernorm",
+        "post_ffn": "post_feedforward_layernorm",
+    }
 
     def __init__(self, layer_idx: int, t: dict[str, Any], config: ModelConfig, kind: str) -> None:
         super().__init__()

@@ -78,6 +78,7 @@ class GatedMLP(nn.Module):
             raise UnsupportedModelError(
                 f"activation {activation!r} not supported; supported: {sorted(_ACTIVATIONS)}"
             )
+        self.activation = activation
         self.act = _ACTIVATIONS[activation]
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=False)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -25,6 +25,12 @@ def layer_windows(t: dict[str, Any], num_layers: int) -> list[int | None]:
 
 class LlamaDecoderLayer(nn.Module):
     """x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    # Which norm plays which role, for the fused decode path (loom/models/fused_decode.py).
+    norm_roles: ClassVar[dict[str, str]] = {
+        "input": "input_layernorm",
+        "pre_ffn": "post_attention_layernorm",
+    }
 
     def __init__(
         self,

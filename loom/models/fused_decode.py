@@ -1,0 +1,201 @@
+"""Decode steps through one C call for all decoder layers (`loom_decode_layers`).
+
+A decode step computes one token per sequence; in eager PyTorch its cost on a CPU is mostly
+per-operation overhead (about 25 small ops per layer). When every layer of a model has the
+supported shape (pre-norm or Gemma's sandwich norms, stacked q/k/v and gate/up projections,
+float32 or int8 weights, rotate-half RoPE, SiLU or tanh-GELU) and the KV cache is float32 on
+the CPU, `FusedDecoder` runs all layers in a single call into Loom's C kernels (one OpenMP
+parallel region for the whole step), with the same kernels the modules call one by one.
+
+The descriptors hold raw pointers to the model's weights; the decoder keeps references to
+those tensors, and must be rebuilt (`CausalLM.fused_decoder = None`) if weights are replaced.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+from torch import nn
+
+from loom.attention import AttentionMetadata
+from loom.kernels import cpu_kernels_available, load_library
+from loom.models.layers import GatedMLP, Linear, RMSNorm, SelfAttention
+from loom.models.quant import Int8Linear
+
+_ACTIVATION_CODES = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
+
+
+class _LinearDesc(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int32), ("reserved", ctypes.c_int32),
+        ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64),
+        ("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+    ]
+
+
+class _LayerDesc(ctypes.Structure):
+    _fields_ = [
+        ("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
+        ("eps", ctypes.c_float), ("norm_offset", ctypes.c_float),
+        ("activation", ctypes.c_int32), ("sandwich_norms", ctypes.c_int32),
+        ("attn_scale", ctypes.c_float), ("softcap", ctypes.c_float),
+        ("window", ctypes.c_int64),
+        ("qkv", _LinearDesc), ("o", _LinearDesc), ("gate_up", _LinearDesc),
+        ("down", _LinearDesc),
+        ("input_norm", ctypes.c_void_p), ("post_attn_norm", ctypes.c_void_p),
+        ("pre_ffn_norm", ctypes.c_void_p), ("post_ffn_norm", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+    ]
+
+
+class _Unsupported(Exception):
+    """A layer the fused path cannot run (the caller keeps the module path)."""
+
+
+def _f32(t: torch.Tensor | None, keep: list[torch.Tensor]) -> int | None:
+    if t is None:
+        return None
+    if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+        raise _Unsupported(f"tensor {t.dtype} on {t.device} is not contiguous CPU float32")
+    keep.append(t)
+    return t.data_ptr()
+
+
+def _linear(module: nn.Module | None, keep: list[torch.Tensor]) -> _LinearDesc:
+    if isinstance(module, Int8Linear):
+        keep.append(module.weight_int8)
+        return _LinearDesc(
+            2 if module.quantize_activations else 1, 0, module.in_features,
+            module.out_features, module.weight_int8.data_ptr(),
+            _f32(module.scales_f32, keep), _f32(module.bias, keep),
+        )
+    if isinstance(module, Linear) and module.weight.dtype == torch.float32:
+        return _LinearDesc(
+            0, 0, module.in_features, module.out_features, _f32(module.weight.data, keep), None,
+            _f32(None if module.bias is None else module.bias.data, keep),
+        )
+    raise _Unsupported(f"linear layer {type(module).__name__} is not float32 or int8")
+
+
+def _norm(module: Any, keep: list[torch.Tensor]) -> tuple[int | None, float, float]:
+    if module is None:
+        return None, 0.0, 0.0
+    if not isinstance(module, RMSNorm):
+        raise _Unsupported(f"norm {type(module).__name__} is not RMSNorm")
+    return _f32(module.weight.data, keep), (1.0 if module.gemma else 0.0), module.eps
+
+
+def _describe(layer: nn.Module, keep: list[torch.Tensor]) -> _LayerDesc:
+    roles = getattr(layer, "norm_roles", None)
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if roles is None or not isinstance(attn, SelfAttention) or not isinstance(mlp, GatedMLP):
+        raise _Unsupported(f"{type(layer).__name__} has no fused decode layout")
+    if attn.qkv_proj is None or mlp.gate_up_proj is None:
+        raise _Unsupported("projections are not stacked (run fuse_projections first)")
+    activation = _ACTIVATION_CODES.get(mlp.activation)
+    if activation is None:
+        raise _Unsupported(f"activation {mlp.activation!r}")
+    norms = {role: _norm(getattr(layer, name), keep) for role, name in roles.items()}
+    q_norm, k_norm = _norm(attn.q_norm, keep), _norm(attn.k_norm, keep)
+    offsets = {off for ptr, off, _ in [*norms.values(), q_norm, k_norm] if ptr is not None}
+    epsilons = {eps for ptr, _, eps in [*norms.values(), q_norm, k_norm] if ptr is not None}
+    if len(offsets) != 1 or len(epsilons) != 1:
+        raise _Unsupported("norms of one layer differ in offset or epsilon")
+    sandwich = "post_attn" in norms
+    if sandwich != ("post_ffn" in norms):
+        raise _Unsupported("post-attention norm without post-feedforward norm")
+    spec = attn.attn.spec
+    return _LayerDesc(
+        hidden=attn.o_proj.out_features, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim, intermediate=mlp.down_proj.in_features,
+        eps=epsilons.pop(), norm_offset=offsets.pop(), activation=activation,
+        sandwich_norms=int(sandwich), attn_scale=spec.scale, softcap=spec.logit_softcap or 0.0,
+        window=spec.sliding_window or 0,
+        qkv=_linear(attn.qkv_proj, keep), o=_linear(attn.o_proj, keep),
+        gate_up=_linear(mlp.gate_up_proj, keep), down=_linear(mlp.down_proj, keep),
+        input_norm=norms["input"][0], pre_ffn_norm=norms["pre_ffn"][0],
+        post_attn_norm=norms.get("post_attn", (None,))[0],
+        post_ffn_norm=norms.get("post_ffn", (None,))[0],
+        q_norm=q_norm[0], k_norm=k_norm[0],
+    )
+
+
+class FusedDecoder:
+    """Runs pure-decode steps of a model's decoder layers in one C call."""
+
+    def __init__(self, layers: list[nn.Module], descs: list[_LayerDesc],
+                 keep: list[torch.Tensor]) -> None:
+        self.layers = layers
+        self._descs = (_LayerDesc * len(descs))(*descs)
+        self._keep = keep  # the tensors the descriptors point into stay alive
+        lib = load_library()
+        assert lib is not None
+        self._fn = lib.loom_decode_layers
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64]
+        self._fn.restype = None
+        # Layers sharing a rotary spec share cos/sin tables (Gemma: local and global).
+        self._rope_keys = [(layer.self_attn.rotary.spec, layer.self_attn.rotary.head_dim)
+                           for layer in layers]
+        self._cache_ptrs: tuple[int, ctypes.Array, ctypes.Array] | None = None
+
+    @classmethod
+    def build(cls, layers: list[nn.Module]) -> tuple[FusedDecoder | None, str]:
+        """A decoder for these layers, or None and the reason the module path must be used."""
+        if not cpu_kernels_available():
+            return None, "CPU kernels unavailable"
+        keep: list[torch.Tensor] = []
+        try:
+            descs = [_describe(layer, keep) for layer in layers]
+        except _Unsupported as exc:
+            return None, str(exc)
+        return cls(list(layers), descs, keep), "ok"
+
+    @staticmethod
+    def applies(hidden: torch.Tensor, md: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
+        """True for a pure-decode step on float32 CPU tensors without gradients."""
+        return (
+            md.is_pure_decode
+            and hidden.dtype == torch.float32
+            and hidden.device.type == "cpu"
+            and not torch.is_grad_enabled()
+            and all(c.dtype == torch.float32 and c.is_contiguous() for c in kv_caches)
+        )
+
+    def _caches(self, kv_caches: list[torch.Tensor]) -> tuple[ctypes.Array, ctypes.Array]:
+        first = kv_caches[0].data_ptr()
+        if self._cache_ptrs is None or self._cache_ptrs[0] != first:
+            n = len(kv_caches)
+            k_ptrs = (ctypes.c_void_p * n)(*[c[0].data_ptr() for c in kv_caches])
+            v_ptrs = (ctypes.c_void_p * n)(*[c[1].data_ptr() for c in kv_caches])
+            self._cache_ptrs = (first, k_ptrs, v_ptrs)
+        return self._cache_ptrs[1], self._cache_ptrs[2]
+
+    def run(self, hidden: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+            kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """hidden [S, H] (one token per sequence) through every layer; returns a new tensor."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
+        x = hidden.contiguous().clone()
+        m = x.shape[0]
+        tables = md.block_tables.contiguous()
+        seq_lens = md.seq_lens.contiguous()
+        slots = md.slot_mapping.contiguous()
+        rope: dict[object, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer, key in zip(self.layers, self._rope_keys, strict=True):
+            if key not in rope:
+                cos, sin = layer.self_attn.rotary.cos_sin(positions, torch.float32)
+                rope[key] = (cos.reshape(m, -1).contiguous(), sin.reshape(m, -1).contiguous())
+        n = len(self.layers)
+        cos_ptrs = (ctypes.c_void_p * n)(*[rope[k][0].data_ptr() for k in self._rope_keys])
+        sin_ptrs = (ctypes.c_void_p * n)(*[rope[k][1].data_ptr() for k in self._rope_keys])
+        k_ptrs, v_ptrs = self._caches(kv_caches)
+        self._fn(
+            ctypes.addressof(self._descs), n, x.data_ptr(), m, cos_ptrs, sin_ptrs, k_ptrs,
+            v_ptrs, slots.data_ptr(), tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(),
+            md.block_size, max(md.seq_lens_list),
+        )
+        return x
