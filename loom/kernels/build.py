@@ -43,7 +43,10 @@ SIGNATURES: dict[str, list[type]] = {
     ],
     "loom_rms_norm": [_ptr, _i64, _i64, _ptr, _f32, _f32, _ptr, _ptr],
     "loom_rope_neox": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr],
+    "loom_attention_scratch_floats": [_i64, _i64, _i64, _i64],
 }
+# Functions that return a value (the others return void).
+RESTYPES: dict[str, type] = {"loom_attention_scratch_floats": _i64}
 
 @dataclass
 class _Loaded:
@@ -111,7 +114,7 @@ def _try_load() -> _Loaded:
         for name, argtypes in SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes = argtypes
-            fn.restype = None
+            fn.restype = RESTYPES.get(name)
     except (OSError, RuntimeError, AttributeError) as exc:
         return _Loaded(None, f"build or load failed: {exc}")
     return _Loaded(lib, None)

@@ -169,6 +169,21 @@ static inline void axpy_f32(float alpha, const float *x, float *y, int64_t d) {
     for (; j < d; j++) y[j] += alpha * x[j];
 }
 
+/* Keys per work item of decode attention: a sequence's context is split into parts of this
+ * many keys, attended separately (all query heads of one kv head together, so each key and
+ * value vector is read once) and merged with the usual max/sum rescaling. */
+#define ATTN_PART 128
+/* Query heads per kv head handled in one pass; larger groups loop over slices of this size. */
+#define ATTN_MAX_GROUP 8
+
+/* Floats of scratch attention_body needs: per (sequence, head, part) a slot of
+ * ATTN_PART scores, d partial outputs, the running max and the sum of exponentials. */
+LOOM_EXPORT int64_t loom_attention_scratch_floats(int64_t s, int64_t h, int64_t d,
+                                                  int64_t max_len) {
+    const int64_t parts = (max_len + ATTN_PART - 1) / ATTN_PART;
+    return s * h * (parts > 0 ? parts : 1) * (ATTN_PART + d + 2);
+}
+
 /* Single-query attention for a batch of decoding sequences, read straight from the paged
  * cache (no gathered copy of the context).
  *   q          [s, h, d]           one query per sequence, at position seq_lens[i] - 1
@@ -176,7 +191,7 @@ static inline void axpy_f32(float alpha, const float *x, float *y, int64_t d) {
  *   block_tables [s, max_blocks] int64, seq_lens [s] int64
  *   window     > 0: keys at positions > pos - window only; 0: all
  *   softcap    > 0: scores -> softcap * tanh(scores / softcap); 0: off
- *   scratch    [s * h, max_len] float32, max_len >= every seq_len
+ *   scratch    loom_attention_scratch_floats(s, h, d, max_len) floats, max_len >= seq_lens
  *   out        [s, h, d]
  * Query head j reads kv head j / (h / hkv). Softmax in float32 with the max subtracted. */
 static void attention_body(
@@ -185,34 +200,81 @@ static void attention_body(
     int64_t bs, int64_t window, float scale, float softcap, float *scratch, int64_t max_len,
     float *out) {
     const int64_t group = h / hkv;
+    const int64_t parts = max_len > 0 ? (max_len + ATTN_PART - 1) / ATTN_PART : 1;
+    const int64_t slot_floats = ATTN_PART + d + 2;
+    const int64_t gslices = (group + ATTN_MAX_GROUP - 1) / ATTN_MAX_GROUP;
+    /* Phase 1: every (sequence, kv head, head slice, part) attends over its keys. */
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < s * h; task++) {
-        const int64_t seq = task / h, head = task % h, kvh = head / group;
+    for (int64_t task = 0; task < s * hkv * gslices * parts; task++) {
+        const int64_t part = task % parts;
+        const int64_t slice = (task / parts) % gslices;
+        const int64_t kvh = (task / parts / gslices) % hkv;
+        const int64_t seq = task / parts / gslices / hkv;
+        const int64_t h0 = kvh * group + slice * ATTN_MAX_GROUP;
+        const int64_t ng = group - slice * ATTN_MAX_GROUP < ATTN_MAX_GROUP
+                               ? group - slice * ATTN_MAX_GROUP : ATTN_MAX_GROUP;
         const int64_t len = seq_lens[seq];
         const int64_t lo = (window > 0 && len > window) ? len - window : 0;
+        const int64_t k0 = lo + part * ATTN_PART;
+        const int64_t k1 = k0 + ATTN_PART < len ? k0 + ATTN_PART : len;
+        float *slot[ATTN_MAX_GROUP];
+        for (int64_t g = 0; g < ng; g++)
+            slot[g] = scratch + ((seq * h + h0 + g) * parts + part) * slot_floats;
+        if (k0 >= k1) { /* this part lies past the context: contributes nothing */
+            for (int64_t g = 0; g < ng; g++) {
+                slot[g][ATTN_PART + d] = -INFINITY;
+                slot[g][ATTN_PART + d + 1] = 0.0f;
+            }
+            continue;
+        }
         const int64_t *table = block_tables + seq * max_blocks;
-        const float *qv = q + task * d;
-        float *scores = scratch + task * max_len;
-        float mx = -INFINITY;
-        for (int64_t p = lo; p < len; p++) {
-            const int64_t slot = table[p / bs] * bs + p % bs;
-            float sc = dot_f32(qv, k_cache + (slot * hkv + kvh) * d, d) * scale;
-            if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
-            scores[p - lo] = sc;
-            if (sc > mx) mx = sc;
+        const float *qs = q + (seq * h + h0) * d;
+        float mx[ATTN_MAX_GROUP];
+        for (int64_t g = 0; g < ng; g++) mx[g] = -INFINITY;
+        for (int64_t p = k0; p < k1; p++) {
+            const float *kv = k_cache + ((table[p / bs] * bs + p % bs) * hkv + kvh) * d;
+            for (int64_t g = 0; g < ng; g++) {
+                float sc = dot_f32(qs + g * d, kv, d) * scale;
+                if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+                slot[g][p - k0] = sc;
+                if (sc > mx[g]) mx[g] = sc;
+            }
         }
+        for (int64_t g = 0; g < ng; g++) {
+            float total = 0.0f;
+            for (int64_t p = 0; p < k1 - k0; p++) {
+                slot[g][p] = expf(slot[g][p] - mx[g]);
+                total += slot[g][p];
+            }
+            memset(slot[g] + ATTN_PART, 0, (size_t)d * sizeof(float));
+            slot[g][ATTN_PART + d] = mx[g];
+            slot[g][ATTN_PART + d + 1] = total;
+        }
+        for (int64_t p = k0; p < k1; p++) {
+            const float *vv = v_cache + ((table[p / bs] * bs + p % bs) * hkv + kvh) * d;
+            for (int64_t g = 0; g < ng; g++) axpy_f32(slot[g][p - k0], vv, slot[g] + ATTN_PART, d);
+        }
+    }
+    /* Phase 2: merge the parts of every (sequence, head). */
+#pragma omp for schedule(static)
+    for (int64_t sh = 0; sh < s * h; sh++) {
+        const float *base = scratch + sh * parts * slot_floats;
+        float gmax = -INFINITY;
+        for (int64_t part = 0; part < parts; part++)
+            if (base[part * slot_floats + ATTN_PART + d] > gmax)
+                gmax = base[part * slot_floats + ATTN_PART + d];
         float total = 0.0f;
-        for (int64_t p = 0; p < len - lo; p++) {
-            scores[p] = expf(scores[p] - mx);
-            total += scores[p];
-        }
-        float *o = out + task * d;
+        float *o = out + sh * d;
         memset(o, 0, (size_t)d * sizeof(float));
-        const float inv = 1.0f / total;
-        for (int64_t p = lo; p < len; p++) {
-            const int64_t slot = table[p / bs] * bs + p % bs;
-            axpy_f32(scores[p - lo] * inv, v_cache + (slot * hkv + kvh) * d, o, d);
+        for (int64_t part = 0; part < parts; part++) {
+            const float *sl = base + part * slot_floats;
+            if (sl[ATTN_PART + d + 1] == 0.0f) continue;
+            const float w = expf(sl[ATTN_PART + d] - gmax);
+            total += w * sl[ATTN_PART + d + 1];
+            axpy_f32(w, sl + ATTN_PART, o, d);
         }
+        const float inv = 1.0f / total;
+        for (int64_t j = 0; j < d; j++) o[j] *= inv;
     }
 }
 
@@ -576,7 +638,11 @@ LOOM_EXPORT void loom_decode_layers(const LoomDecoderLayer *layers, int64_t num_
     ws.q_rot = (float *)malloc((size_t)(m * qd) * sizeof(float));
     ws.k_rot = (float *)malloc((size_t)(m * kd) * sizeof(float));
     ws.attn = (float *)malloc((size_t)(m * qd) * sizeof(float));
-    ws.scores = (float *)malloc((size_t)(m * heads * (max_len > 0 ? max_len : 1)) * sizeof(float));
+    int64_t head_dim = 0;
+    for (int64_t l = 0; l < num_layers; l++)
+        head_dim = layers[l].head_dim > head_dim ? layers[l].head_dim : head_dim;
+    ws.scores = (float *)malloc(
+        (size_t)loom_attention_scratch_floats(m, heads, head_dim, max_len) * sizeof(float));
     ws.gu = (float *)malloc((size_t)(m * 2 * inter) * sizeof(float));
     ws.act = (float *)malloc((size_t)(m * inter) * sizeof(float));
     ws.xq = (int8_t *)aligned_alloc(32, (size_t)((m * max_k + 31) / 32 * 32));

@@ -115,7 +115,7 @@ def paged_decode_attention(
     if d_cache != d or h % hkv or block_tables.shape[0] != s or seq_lens.shape != (s,):
         raise ValueError("q, kv_cache, block_tables and seq_lens shapes do not match")
     span = min(max_seq_len, window) if window else max_seq_len
-    scratch = torch.empty((s * h, max(span, 1)), dtype=torch.float32)
+    scratch = torch.empty(_lib().loom_attention_scratch_floats(s, h, d, span), dtype=torch.float32)
     out = torch.empty_like(q)
     _lib().loom_paged_decode_attention(
         q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_tables.data_ptr(),

@@ -140,7 +140,7 @@ class FusedDecoder:
         # Layers sharing a rotary spec share cos/sin tables (Gemma: local and global).
         self._rope_keys = [(layer.self_attn.rotary.spec, layer.self_attn.rotary.head_dim)
                            for layer in layers]
-        self._cache_ptrs: tuple[int, ctypes.Array, ctypes.Array] | None = None
+        self._cache_ptrs: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
 
     @classmethod
     def build(cls, layers: list[nn.Module]) -> tuple[FusedDecoder | None, str]:
@@ -166,12 +166,13 @@ class FusedDecoder:
         )
 
     def _caches(self, kv_caches: list[torch.Tensor]) -> tuple[ctypes.Array, ctypes.Array]:
-        first = kv_caches[0].data_ptr()
-        if self._cache_ptrs is None or self._cache_ptrs[0] != first:
+        # Keyed by every cache's address: a new runner may get some of a freed one's addresses.
+        key = tuple(c.data_ptr() for c in kv_caches)
+        if self._cache_ptrs is None or self._cache_ptrs[0] != key:
             n = len(kv_caches)
             k_ptrs = (ctypes.c_void_p * n)(*[c[0].data_ptr() for c in kv_caches])
             v_ptrs = (ctypes.c_void_p * n)(*[c[1].data_ptr() for c in kv_caches])
-            self._cache_ptrs = (first, k_ptrs, v_ptrs)
+            self._cache_ptrs = (key, k_ptrs, v_ptrs)
         return self._cache_ptrs[1], self._cache_ptrs[2]
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,

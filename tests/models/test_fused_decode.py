@@ -84,3 +84,19 @@ def test_fused_decode_matches_transformers(tiny_model: TinyModel) -> None:
         # Row j holds the logits after token 7 + j, the reference's row len(p) + j.
         ref = tiny_model.reference_logits(p + [7, 8, 9, 10])[len(p) : len(p) + 4]
         torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_decode_follows_a_new_runners_caches(tiny_model: TinyModel) -> None:
+    """A second runner (new KV caches, possibly at a freed one's addresses) is written, and
+    the first runner's caches are not touched."""
+    config, model = build_model(tiny_model.path, torch.float32)
+    prompts = _prompts(config.vocab_size)
+    first = ModelRunner(config, model, "cpu", torch.float32, 64, 4)
+    expected = _decode_logits(first, prompts, 2, fused=True)
+    snapshot = [c.clone() for c in first.kv_caches]
+    second = ModelRunner(config, model, "cpu", torch.float32, 64, 4)
+    got = _decode_logits(second, prompts, 2, fused=True)
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(e, g)
+    for before, cache in zip(snapshot, first.kv_caches, strict=True):
+        assert torch.equal(before, cache)
