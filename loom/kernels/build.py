@@ -36,6 +36,7 @@ _ptr = ctypes.c_void_p
 SIGNATURES: dict[str, list[type]] = {
     "loom_linear_w8": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr],
     "loom_linear_w8a8": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr],
+    "loom_linear_w8a8_quad": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr],
     "loom_linear_f32": [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr],
     "loom_paged_decode_attention": [
         _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,

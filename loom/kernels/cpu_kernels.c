@@ -347,6 +347,10 @@ LOOM_EXPORT void loom_rope_neox(const float *x, int64_t tokens, int64_t heads, i
 /* ---- int8 weights x int8 activations (activations quantised per block of 32 on the fly) ---- */
 
 #define QBLOCK 32
+/* Software prefetch distance of the quad-layout kernel, in bytes of weight. */
+#ifndef QUAD_PREFETCH_BYTES
+#define QUAD_PREFETCH_BYTES 4096
+#endif
 
 /* x [k] float -> xq [k] int8 and xs [k / 32] float with x ~ xq * xs per block (symmetric). */
 static void quantize_row_q8(const float *x, int64_t k, int8_t *xq, float *xs) {
@@ -367,13 +371,11 @@ static inline __m256i dot32_i8(__m256i w, __m256i x) {
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-/* y[m, n] = scale[n] * sum_k q8(x)[m, k] * w[n, k] (+ bias[n]); k a multiple of 32.
- * Like loom_linear_w8 but with activations rounded to int8 per block of 32 (their own scale
- * per block), so products run as integer multiply-adds. Rows are independent of each other. */
 /* xq [m, k] and xs [m, k / 32]: every row of x quantised per block (rows split over threads). */
 static void quantize_rows_body(const float *x, int64_t m, int64_t k, int8_t *xq, float *xs) {
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < m; r++) quantize_row_q8(x + r * k, k, xq + r * k, xs + r * (k / QBLOCK));
+    for (int64_t r = 0; r < m; r++)
+        quantize_row_q8(x + r * k, k, xq + r * k, xs + r * (k / QBLOCK));
 }
 
 static void w8a8_body(const int8_t *xq, const float *xs, int64_t m, int64_t k, const int8_t *w,
@@ -425,6 +427,65 @@ static void w8a8_body(const int8_t *xq, const float *xs, int64_t m, int64_t k, c
             const float v = acc * scale[row];
             y[r * n + row] = bias ? v + bias[row] : v;
         }
+}
+
+/* The same products with the weight in the "quad" layout: rows 4q..4q+3 interleaved in
+ * blocks of 32, wp[((q * (k / 32) + b) * 4 + i) * 32 + j] = w[4q + i, 32b + j], so each thread
+ * reads one sequential stream (the row-major layout makes four short streams per quad, which
+ * the hardware prefetcher follows less well). n a multiple of 4. Sums in the same order as
+ * w8a8_body, so both layouts give identical results. */
+static void w8a8_quad_body(const int8_t *xq, const float *xs, int64_t m, int64_t k,
+                           const int8_t *wp, const float *scale, const float *bias, int64_t n,
+                           float *y) {
+    const int64_t nb = k / QBLOCK;
+    const int64_t quads = n / 4;
+#pragma omp for schedule(static)
+    for (int64_t qd = 0; qd < quads; qd++) {
+        const int64_t row = qd * 4;
+        const int8_t *wq = wp + qd * 4 * k;
+        for (int64_t r = 0; r < m; r++) {
+            const int8_t *xr = xq + r * k;
+            const float *sr = xs + r * nb;
+            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+            __m256 acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                const int8_t *wb = wq + b * 4 * QBLOCK;
+                if (r == 0) {
+                    _mm_prefetch((const char *)(wb + QUAD_PREFETCH_BYTES), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(wb + QUAD_PREFETCH_BYTES + 64), _MM_HINT_T0);
+                }
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + b * QBLOCK));
+                const __m256 d = _mm256_set1_ps(sr[b]);
+                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(
+                    _mm256_loadu_si256((const __m256i *)wb), xv)), d, acc0);
+                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(
+                    _mm256_loadu_si256((const __m256i *)(wb + QBLOCK)), xv)), d, acc1);
+                acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(
+                    _mm256_loadu_si256((const __m256i *)(wb + 2 * QBLOCK)), xv)), d, acc2);
+                acc3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(
+                    _mm256_loadu_si256((const __m256i *)(wb + 3 * QBLOCK)), xv)), d, acc3);
+            }
+            const float s[4] = {hsum256(acc0), hsum256(acc1), hsum256(acc2), hsum256(acc3)};
+            for (int i = 0; i < 4; i++) {
+                const float v = s[i] * scale[row + i];
+                y[r * n + row + i] = bias ? v + bias[row + i] : v;
+            }
+        }
+    }
+}
+
+LOOM_EXPORT void loom_linear_w8a8_quad(const float *x, int64_t m, int64_t k, const int8_t *wp,
+                                       const float *scale, const float *bias, int64_t n,
+                                       float *y) {
+    int8_t *xq = (int8_t *)aligned_alloc(32, (size_t)((m * k + 31) / 32 * 32));
+    float *xs = (float *)malloc((size_t)(m * (k / QBLOCK) + 1) * sizeof(float));
+#pragma omp parallel
+    {
+        quantize_rows_body(x, m, k, xq, xs);
+        w8a8_quad_body(xq, xs, m, k, wp, scale, bias, n, y);
+    }
+    free(xq);
+    free(xs);
 }
 
 /* y[m, n] = scale[n] * sum_k q8(x)[m, k] * w[n, k] (+ bias[n]); k a multiple of 32.
@@ -497,7 +558,9 @@ LOOM_EXPORT void loom_linear_f32(const float *x, int64_t m, int64_t k, const flo
 
 /* A linear layer as the fused decoder sees it. */
 typedef struct {
-    int32_t kind; /* 0 float32 weight, 1 int8 weight-only, 2 int8 weights x int8 activations */
+    /* 0 float32 weight, 1 int8 weight-only, 2 int8 weights x int8 activations, 3 the same with
+     * the weight in the quad layout (see w8a8_quad_body) */
+    int32_t kind;
     int32_t reserved;
     int64_t in_features, out_features;
     const void *weight; /* float32 or int8 [out_features, in_features] */
@@ -529,8 +592,12 @@ static void linear_any_body(const LoomLinear *l, const float *x, int64_t m, floa
                 l->out_features, y);
     } else {
         quantize_rows_body(x, m, l->in_features, xq, xs);
-        w8a8_body(xq, xs, m, l->in_features, (const int8_t *)l->weight, l->scale, l->bias,
-                  l->out_features, y);
+        if (l->kind == 3)
+            w8a8_quad_body(xq, xs, m, l->in_features, (const int8_t *)l->weight, l->scale,
+                           l->bias, l->out_features, y);
+        else
+            w8a8_body(xq, xs, m, l->in_features, (const int8_t *)l->weight, l->scale, l->bias,
+                      l->out_features, y);
     }
 }
 

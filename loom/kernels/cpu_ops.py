@@ -46,26 +46,41 @@ def linear_w8(
     scale: torch.Tensor,
     bias: torch.Tensor | None,
     quantize_activations: bool = False,
+    layout: str = "rows",
 ) -> torch.Tensor:
     """x [M, K] float32 @ (weight [N, K] int8 * scale [N] float32).T + bias [N] -> [M, N].
 
     `quantize_activations=True` rounds each block of 32 activations to int8 (own scale) and
     multiplies in integers: about twice the speed, slightly less exact; needs K % 32 == 0.
+    `layout="quad"` (with quantize_activations) takes the weight as `to_quad_layout` stores
+    it, [N/4, K/32, 4, 32]; the result is the same as from the row-major weight.
     """
     _check(x, "x", torch.float32)
     _check(weight, "weight", torch.int8)
     _check(scale, "scale", torch.float32)
     m, k = x.shape
-    n = weight.shape[0]
-    if weight.shape[1] != k or scale.shape != (n,):
-        raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}, scale "
-                         f"{tuple(scale.shape)} do not match")
+    n = scale.shape[0]
+    if layout == "quad":
+        if not quantize_activations:
+            raise ValueError("the quad layout is read by the w8a8 kernel only")
+        shape_ok = weight.shape == (n // 4, k // 32, 4, 32) and n % 4 == 0
+    elif layout == "rows":
+        shape_ok = weight.shape == (n, k)
+    else:
+        raise ValueError(f"unknown weight layout {layout!r}")
+    if not shape_ok or scale.dim() != 1:
+        raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)} ({layout}), "
+                         f"scale {tuple(scale.shape)} do not match")
     if quantize_activations and k % 32:
         raise ValueError(f"quantize_activations needs K % 32 == 0, got K = {k}")
     if bias is not None:
         _check(bias, "bias", torch.float32)
     y = torch.empty((m, n), dtype=torch.float32)
-    fn = _lib().loom_linear_w8a8 if quantize_activations else _lib().loom_linear_w8
+    lib = _lib()
+    if layout == "quad":
+        fn = lib.loom_linear_w8a8_quad
+    else:
+        fn = lib.loom_linear_w8a8 if quantize_activations else lib.loom_linear_w8
     fn(
         x.data_ptr(), m, k, weight.data_ptr(), scale.data_ptr(),
         None if bias is None else bias.data_ptr(), n, y.data_ptr(),

@@ -66,10 +66,10 @@ def _f32(t: torch.Tensor | None, keep: list[torch.Tensor]) -> int | None:
 
 def _linear(module: nn.Module | None, keep: list[torch.Tensor]) -> _LinearDesc:
     if isinstance(module, Int8Linear):
-        keep.append(module.weight_int8)
+        keep.append(module.weight_q)
+        kind = (3 if module.layout == "quad" else 2) if module.quantize_activations else 1
         return _LinearDesc(
-            2 if module.quantize_activations else 1, 0, module.in_features,
-            module.out_features, module.weight_int8.data_ptr(),
+            kind, 0, module.in_features, module.out_features, module.weight_q.data_ptr(),
             _f32(module.scales_f32, keep), _f32(module.bias, keep),
         )
     if isinstance(module, Linear) and module.weight.dtype == torch.float32:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loom.kernels import linear_w8, use_cpu_kernels
+from loom.kernels import cpu_kernels_available, linear_w8, use_cpu_kernels
 
 
 def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,8 +36,24 @@ DEQUANTIZE_MIN_ROWS = 32
 KERNEL_MAX_ROWS = 128
 
 
+def to_quad_layout(w_int8: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> rows 4q..4q+3 interleaved in blocks of 32 ([N/4, K/32, 4, 32], contiguous)."""
+    n, k = w_int8.shape
+    return w_int8.view(n // 4, 4, k // 32, 32).permute(0, 2, 1, 3).contiguous()
+
+
+def from_quad_layout(w_quad: torch.Tensor) -> torch.Tensor:
+    """Inverse of `to_quad_layout`: back to row-major [N, K]."""
+    quads, blocks = w_quad.shape[:2]
+    return w_quad.permute(0, 2, 1, 3).reshape(quads * 4, blocks * 32)
+
+
 class Int8Linear(nn.Module):
-    """y = x @ (w_int8 * scale).T + bias, reading int8 weights at run time."""
+    """y = x @ (w_int8 * scale).T + bias, reading int8 weights at run time.
+
+    `weight_q` holds the int8 weight row-major, or, in w8a8 mode on a machine with the CPU
+    kernels, in the "quad" layout those kernels stream fastest (`layout == "quad"`).
+    """
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, quantize_activations: bool = False
@@ -47,14 +63,21 @@ class Int8Linear(nn.Module):
         self.quantize_activations = quantize_activations and weight.shape[1] % 32 == 0
         self.out_features, self.in_features = weight.shape
         w_int8, scales = quantize_weight_int8(weight)
-        self.register_buffer("weight_int8", w_int8)
+        quad = (self.quantize_activations and self.out_features % 4 == 0
+                and cpu_kernels_available())
+        self.layout = "quad" if quad else "rows"
+        self.register_buffer("weight_q", to_quad_layout(w_int8) if quad else w_int8)
         self.register_buffer("scales", scales)  # bfloat16, the kernel's activation dtype
         self.register_buffer("scales_f32", scales.float())  # the same values, for loom.kernels
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
+    def row_major_int8(self) -> torch.Tensor:
+        """The int8 weight [N, K], row-major (a copy when stored in the quad layout)."""
+        return from_quad_layout(self.weight_q) if self.layout == "quad" else self.weight_q
+
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight this layer computes with (for tests and inspection)."""
-        return self.weight_int8.float() * self.scales.float()[:, None]
+        return self.row_major_int8().float() * self.scales.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer to x [..., K] -> [..., N] in x's dtype."""
@@ -64,7 +87,8 @@ class Int8Linear(nn.Module):
             x32 = x.reshape(rows, self.in_features).contiguous()
             bias = None if self.bias is None else self.bias.float()
             y = linear_w8(
-                x32, self.weight_int8, self.scales_f32.float(), bias, self.quantize_activations
+                x32, self.weight_q, self.scales_f32.float(), bias, self.quantize_activations,
+                self.layout,
             )
             return y.view(*lead, self.out_features)
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
@@ -76,7 +100,8 @@ class Int8Linear(nn.Module):
             y = torch.nn.functional.linear(x2.to(x.dtype), weight)
         else:
             scales = self.scales.to(torch.bfloat16)  # no-op unless the module was cast
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight_int8, scales).to(x.dtype)
+            w_int8 = self.row_major_int8()
+            y = torch.ops.aten._weight_int8pack_mm(x2, w_int8, scales).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*lead, self.out_features)

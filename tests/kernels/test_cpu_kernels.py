@@ -131,3 +131,19 @@ def test_linear_f32_matches_matmul_and_is_batch_invariant(m: int, n: int, k: int
     torch.testing.assert_close(y, x @ w.T + b, atol=1e-4, rtol=1e-5)
     for i in range(m):
         assert torch.equal(linear_f32(x[i : i + 1].contiguous(), w, b), y[i : i + 1])
+
+
+def test_quad_layout_gives_the_row_major_result() -> None:
+    """The interleaved weight layout round-trips and the w8a8 kernel reads it identically."""
+    from loom.models.quant import from_quad_layout, to_quad_layout
+
+    g = torch.Generator().manual_seed(9)
+    w = torch.randint(-127, 128, (64, 96), dtype=torch.int8, generator=g)
+    quad = to_quad_layout(w)
+    assert quad.shape == (16, 3, 4, 32)
+    assert torch.equal(from_quad_layout(quad), w)
+    x, scale = torch.randn(3, 96, generator=g), torch.rand(64, generator=g)
+    rows = linear_w8(x, w, scale, None, quantize_activations=True)
+    assert torch.equal(linear_w8(x, quad, scale, None, True, layout="quad"), rows)
+    with pytest.raises(ValueError, match="quad layout is read by the w8a8 kernel only"):
+        linear_w8(x, quad, scale, None, False, layout="quad")
