@@ -7,6 +7,7 @@ fallback once.
 
 from loom.kernels.build import kernel_status, load_library
 from loom.kernels.cpu_ops import (
+    argmax_logsumexp,
     cpu_kernels_available,
     linear_f32,
     linear_w8,
@@ -17,6 +18,7 @@ from loom.kernels.cpu_ops import (
 )
 
 __all__ = [
+    "argmax_logsumexp",
     "cpu_kernels_available",
     "kernel_status",
     "linear_f32",

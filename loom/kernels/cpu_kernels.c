@@ -149,24 +149,38 @@ LOOM_EXPORT void loom_linear_w8(const float *x, int64_t m, int64_t k, const int8
     w8_body(x, m, k, w, scale, bias, n, y);
 }
 
-static inline float dot_f32(const float *a, const float *b, int64_t d) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 16 <= d; j += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), _mm256_loadu_ps(b + j + 8), acc1);
-    }
-    float s = hsum256(_mm256_add_ps(acc0, acc1));
-    for (; j < d; j++) s += a[j] * b[j];
-    return s;
-}
-
 static inline void axpy_f32(float alpha, const float *x, float *y, int64_t d) {
     __m256 a = _mm256_set1_ps(alpha);
     int64_t j = 0;
     for (; j + 8 <= d; j += 8)
         _mm256_storeu_ps(y + j, _mm256_fmadd_ps(a, _mm256_loadu_ps(x + j), _mm256_loadu_ps(y + j)));
     for (; j < d; j++) y[j] += alpha * x[j];
+}
+
+/* out[g] = dot(q + g * d, key) for the ng <= 8 query heads that share one key vector: the
+ * key is loaded once per 16 floats and four heads accumulate at a time in independent
+ * registers (a single dot product is bound by the latency of its own additions). */
+static inline void dots_shared_key(const float *q, int64_t ng, const float *key, int64_t d,
+                                   float *out) {
+    for (int64_t g0 = 0; g0 < ng; g0 += 4) {
+        const int64_t n4 = ng - g0 < 4 ? ng - g0 : 4;
+        __m256 acc[8];
+        for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 16 <= d; j += 16) {
+            const __m256 k0 = _mm256_loadu_ps(key + j), k1 = _mm256_loadu_ps(key + j + 8);
+            for (int64_t g = 0; g < n4; g++) {
+                const float *qg = q + (g0 + g) * d + j;
+                acc[2 * g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg), k0, acc[2 * g]);
+                acc[2 * g + 1] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8), k1, acc[2 * g + 1]);
+            }
+        }
+        for (int64_t g = 0; g < n4; g++) {
+            float sum = hsum256(_mm256_add_ps(acc[2 * g], acc[2 * g + 1]));
+            for (int64_t t = j; t < d; t++) sum += q[(g0 + g) * d + t] * key[t];
+            out[g0 + g] = sum;
+        }
+    }
 }
 
 /* Keys per work item of decode attention: a sequence's context is split into parts of this
@@ -233,8 +247,10 @@ static void attention_body(
         for (int64_t g = 0; g < ng; g++) mx[g] = -INFINITY;
         for (int64_t p = k0; p < k1; p++) {
             const float *kv = k_cache + ((table[p / bs] * bs + p % bs) * hkv + kvh) * d;
+            float dots[ATTN_MAX_GROUP];
+            dots_shared_key(qs, ng, kv, d, dots);
             for (int64_t g = 0; g < ng; g++) {
-                float sc = dot_f32(qs + g * d, kv, d) * scale;
+                float sc = dots[g] * scale;
                 if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
                 slot[g][p - k0] = sc;
                 if (sc > mx[g]) mx[g] = sc;
@@ -606,6 +622,45 @@ static inline float gelu_tanh(float v) {
     return 0.5f * v * (1.0f + tanhf(c * (v + 0.044715f * v * v * v)));
 }
 
+/* exp of 8 floats: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor
+ * polynomial (relative error below 2e-7 on that interval), scaled by 2^n. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    /* r = x - n ln2, with ln2 split in two parts so the subtraction stays exact. */
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i scale = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+/* act(g) * u for 8 lanes: act 1 = tanh-GELU (tanh(y) = 1 - 2 / (exp(2y) + 1)), else SiLU. */
+static inline __m256 gated_act256(__m256 g, __m256 u, int activation) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    if (activation == 1) {
+        const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+        __m256 y = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                 _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), g3, g));
+        y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-9.0f)), _mm256_set1_ps(9.0f));
+        const __m256 e = exp256(_mm256_add_ps(y, y));
+        const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f),
+                                                          _mm256_add_ps(e, one)));
+        return _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g),
+                                           _mm256_add_ps(one, t)), u);
+    }
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u);
+}
+
 /* Buffers one layer needs, shared by the threads of the step's parallel region. */
 typedef struct {
     float *h, *qkv, *q, *k, *q_rot, *k_rot, *attn, *scores, *gu, *act;
@@ -656,11 +711,15 @@ static void decode_layer_body(const LoomDecoderLayer *L, float *x, int64_t m, co
     rms_norm_body(x, m, hid, L->pre_ffn_norm, L->norm_offset, L->eps, NULL, ws->h);
     linear_any_body(&L->gate_up, ws->h, m, ws->gu, ws->xq, ws->xs);
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < m * inter; t++) {
-        const int64_t r = t / inter, j = t % inter;
-        const float g = ws->gu[r * 2 * inter + j], u = ws->gu[r * 2 * inter + inter + j];
-        const float a = L->activation == 1 ? gelu_tanh(g) : g / (1.0f + expf(-g));
-        ws->act[t] = a * u;
+    for (int64_t r = 0; r < m; r++) {
+        const float *g = ws->gu + r * 2 * inter, *u = g + inter;
+        float *a = ws->act + r * inter;
+        int64_t j = 0;
+        for (; j + 8 <= inter; j += 8)
+            _mm256_storeu_ps(a + j, gated_act256(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j),
+                                                 L->activation));
+        for (; j < inter; j++)
+            a[j] = (L->activation == 1 ? gelu_tanh(g[j]) : g[j] / (1.0f + expf(-g[j]))) * u[j];
     }
     linear_any_body(&L->down, ws->act, m, ws->h, ws->xq, ws->xs);
     if (L->sandwich_norms) {
@@ -723,4 +782,53 @@ LOOM_EXPORT void loom_decode_layers(const LoomDecoderLayer *layers, int64_t num_
     }
     free(ws.h), free(ws.qkv), free(ws.q), free(ws.k), free(ws.q_rot), free(ws.k_rot);
     free(ws.attn), free(ws.scores), free(ws.gu), free(ws.act), free(ws.xq), free(ws.xs);
+}
+
+/* ---- greedy sampling: argmax and log-sum-exp of each logits row, in one read ---- */
+
+#define LSE_CHUNK 16384
+
+/* idx[r] = first index of the largest x[r, :], lse[r] = log(sum(exp(x[r, :]))), x [rows, v].
+ * Rows are split into chunks of LSE_CHUNK spread over the threads, then merged in order. */
+LOOM_EXPORT void loom_argmax_logsumexp(const float *x, int64_t rows, int64_t v, int64_t *idx,
+                                       float *lse) {
+    const int64_t chunks = (v + LSE_CHUNK - 1) / LSE_CHUNK;
+    const int64_t tasks = rows * chunks;
+    float *cmax = (float *)malloc((size_t)tasks * sizeof(float));
+    float *csum = (float *)malloc((size_t)tasks * sizeof(float));
+    int64_t *carg = (int64_t *)malloc((size_t)tasks * sizeof(int64_t));
+#pragma omp parallel
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int64_t r = t / chunks, c = t % chunks;
+            const int64_t lo = c * LSE_CHUNK, hi = lo + LSE_CHUNK < v ? lo + LSE_CHUNK : v;
+            const float *xr = x + r * v;
+            float mx = -INFINITY;
+            int64_t arg = lo;
+            for (int64_t j = lo; j < hi; j++)
+                if (xr[j] > mx) mx = xr[j], arg = j;
+            __m256 acc = _mm256_setzero_ps();
+            const __m256 vmx = _mm256_set1_ps(mx);
+            int64_t j = lo;
+            for (; j + 8 <= hi; j += 8)
+                acc = _mm256_add_ps(acc, exp256(_mm256_sub_ps(_mm256_loadu_ps(xr + j), vmx)));
+            float sum = hsum256(acc);
+            for (; j < hi; j++) sum += expf(xr[j] - mx);
+            cmax[t] = mx, csum[t] = sum, carg[t] = arg;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            float mx = -INFINITY;
+            int64_t arg = 0;
+            for (int64_t c = 0; c < chunks; c++)
+                if (cmax[r * chunks + c] > mx) mx = cmax[r * chunks + c], arg = carg[r * chunks + c];
+            float sum = 0.0f;
+            for (int64_t c = 0; c < chunks; c++)
+                sum += csum[r * chunks + c] * expf(cmax[r * chunks + c] - mx);
+            idx[r] = arg;
+            lse[r] = mx + logf(sum);
+        }
+    }
+    free(cmax), free(csum), free(carg);
 }

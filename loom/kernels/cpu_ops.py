@@ -175,3 +175,13 @@ def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
         x.data_ptr(), tokens, heads, d, cos.data_ptr(), sin.data_ptr(), out.data_ptr()
     )
     return out
+
+
+def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of float32 logits [B, V]: (first argmax [B] int64, logsumexp [B] float32)."""
+    _check(logits, "logits", torch.float32)
+    rows, vocab = logits.shape
+    idx = torch.empty(rows, dtype=torch.int64)
+    lse = torch.empty(rows, dtype=torch.float32)
+    _lib().loom_argmax_logsumexp(logits.data_ptr(), rows, vocab, idx.data_ptr(), lse.data_ptr())
+    return idx, lse

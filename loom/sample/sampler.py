@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from loom.kernels import argmax_logsumexp, use_cpu_kernels
 from loom.sample.draw import inverse_cdf, uniforms
 from loom.sample.filters import apply_min_p, apply_temperature, apply_top_k_top_p
 from loom.sample.penalties import apply_logits_processors, apply_min_tokens, apply_penalties
@@ -92,8 +93,13 @@ class Sampler:
                 f"sampler got logits of shape {tuple(logits.shape)} for {len(rows)} rows"
             )
         raw = logits.float()
-        tokens = choose_tokens(process_logits(raw, rows), rows)
-        lse = raw.logsumexp(dim=-1)
+        processed = process_logits(raw, rows)
+        if processed is raw and all(row.greedy for row in rows) and use_cpu_kernels(raw):
+            # Greedy on untouched logits: argmax and the logprob normaliser in one read.
+            tokens, lse = argmax_logsumexp(raw.contiguous())
+        else:
+            tokens = choose_tokens(processed, rows)
+            lse = raw.logsumexp(dim=-1)
         token_lp = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
         parts = [tokens.double(), token_lp.double()]
         # Top logprobs: one topk of the largest N over the rows that ask for N >= 1.

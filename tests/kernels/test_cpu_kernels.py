@@ -147,3 +147,15 @@ def test_quad_layout_gives_the_row_major_result() -> None:
     assert torch.equal(linear_w8(x, quad, scale, None, True, layout="quad"), rows)
     with pytest.raises(ValueError, match="quad layout is read by the w8a8 kernel only"):
         linear_w8(x, quad, scale, None, False, layout="quad")
+
+
+def test_argmax_logsumexp_matches_torch_and_takes_the_first_tie() -> None:
+    from loom.kernels import argmax_logsumexp
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 70_001, generator=g) * 6
+    x[1, 5] = x[1, 60_000] = 200.0  # a tie across chunks: the first index wins, as in torch
+    x[3] = -50.0  # all equal
+    idx, lse = argmax_logsumexp(x)
+    assert idx.tolist() == x.argmax(dim=-1).tolist() == [idx[0].item(), 5, idx[2].item(), 0]
+    torch.testing.assert_close(lse, x.logsumexp(dim=-1), atol=1e-5, rtol=1e-6)
