@@ -221,8 +221,11 @@ class LLMEngine(SessionOps, TreeOps):
                 touched[seq.group_id] = None
             row += 1
         if to_sample:
-            rows = torch.tensor([r for _, r in to_sample], device=logits.device)
-            self._sample_and_append([s for s, _ in to_sample], logits.index_select(0, rows))
+            picked = [r for _, r in to_sample]
+            if picked != list(range(logits.shape[0])):  # else every row, in order: no copy
+                rows = torch.tensor(picked, device=logits.device)
+                logits = logits.index_select(0, rows)
+            self._sample_and_append([s for s, _ in to_sample], logits)
             for seq, _ in to_sample:
                 touched[seq.group_id] = None
         return [self._group_output(rid) for rid in touched]

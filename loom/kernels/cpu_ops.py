@@ -14,14 +14,16 @@ def cpu_kernels_available() -> bool:
     return load_library() is not None
 
 
-def use_cpu_kernels(x: torch.Tensor) -> bool:
-    """Whether a layer should hand float32 CPU tensor `x` to these kernels: they loaded, and
-    no gradient is being recorded (they have no autograd; the runner uses inference_mode)."""
+def use_cpu_kernels(x: torch.Tensor, *params: torch.Tensor) -> bool:
+    """Whether an op on float32 CPU tensor `x` (and `params`) should run on these kernels:
+    they loaded, and autograd has nothing to record (the kernels have no backward)."""
     return (
         x.dtype == torch.float32
         and x.device.type == "cpu"
-        and not torch.is_grad_enabled()
         and cpu_kernels_available()
+        and not (
+            torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
+        )
     )
 
 

@@ -147,6 +147,8 @@ class FusedDecoder:
         """A decoder for these layers, or None and the reason the module path must be used."""
         if not cpu_kernels_available():
             return None, "CPU kernels unavailable"
+        if any(p.requires_grad for layer in layers for p in layer.parameters()):
+            return None, "parameters require gradients (call model.requires_grad_(False))"
         keep: list[torch.Tensor] = []
         try:
             descs = [_describe(layer, keep) for layer in layers]
@@ -156,12 +158,13 @@ class FusedDecoder:
 
     @staticmethod
     def applies(hidden: torch.Tensor, md: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
-        """True for a pure-decode step on float32 CPU tensors without gradients."""
+        """True for a pure-decode step on float32 CPU tensors with nothing for autograd (the
+        decoder is built only over layers whose parameters do not require gradients)."""
         return (
             md.is_pure_decode
             and hidden.dtype == torch.float32
             and hidden.device.type == "cpu"
-            and not torch.is_grad_enabled()
+            and not (torch.is_grad_enabled() and hidden.requires_grad)
             and all(c.dtype == torch.float32 and c.is_contiguous() for c in kv_caches)
         )
 

@@ -33,7 +33,7 @@ class Linear(nn.Linear):
         if (
             0 < rows < (128 if big else 32)
             and self.weight.dtype == torch.float32
-            and use_cpu_kernels(x)
+            and use_cpu_kernels(x, self.weight)
         ):
             y = linear_f32(x.reshape(rows, self.in_features).contiguous(), self.weight, self.bias)
             return y.view(*x.shape[:-1], self.out_features)
@@ -55,7 +55,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """Normalise over the last dimension (then add `residual`, if given)."""
-        if use_cpu_kernels(x) and self.weight.dtype == torch.float32:
+        if use_cpu_kernels(x, self.weight) and self.weight.dtype == torch.float32:
             return rms_norm(
                 x.contiguous(), self.weight, self.eps, 1.0 if self.gemma else 0.0,
                 None if residual is None else residual.contiguous(),

@@ -54,4 +54,5 @@ def build_model(
         for param in model.parameters():
             param.data = param.data.to(final_dtype)
     model.eval()
+    model.requires_grad_(False)  # inference only; lets the CPU kernels run in any grad mode
     return config, model
