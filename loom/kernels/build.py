@@ -38,8 +38,8 @@ SIGNATURES: dict[str, list[type]] = {
     "loom_linear_w8a8": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr],
     "loom_linear_w8a8_quad": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr],
     "loom_linear_f32": [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr],
-    "loom_paged_decode_attention": [
-        _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
+    "loom_paged_attention": [
+        _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
         _f32, _f32, _ptr, _i64, _ptr,
     ],
     "loom_rms_norm": [_ptr, _i64, _i64, _ptr, _f32, _f32, _ptr, _ptr],

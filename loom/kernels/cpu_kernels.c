@@ -190,29 +190,34 @@ static inline void dots_shared_key(const float *q, int64_t ng, const float *key,
 /* Query heads per kv head handled in one pass; larger groups loop over slices of this size. */
 #define ATTN_MAX_GROUP 8
 
-/* Floats of scratch attention_body needs: per (sequence, head, part) a slot of
- * ATTN_PART scores, d partial outputs, the running max and the sum of exponentials. */
-LOOM_EXPORT int64_t loom_attention_scratch_floats(int64_t s, int64_t h, int64_t d,
+/* Floats of scratch attention_body needs for `tokens` queries: per (query token, head, part)
+ * a slot of ATTN_PART scores, d partial outputs, the running max and the sum of exponentials;
+ * max_len bounds the length of every sequence's key range. */
+LOOM_EXPORT int64_t loom_attention_scratch_floats(int64_t tokens, int64_t h, int64_t d,
                                                   int64_t max_len) {
     const int64_t parts = (max_len + ATTN_PART - 1) / ATTN_PART;
-    return s * h * (parts > 0 ? parts : 1) * (ATTN_PART + d + 2);
+    return tokens * h * (parts > 0 ? parts : 1) * (ATTN_PART + d + 2);
 }
 
-/* Single-query attention for a batch of decoding sequences, read straight from the paged
- * cache (no gathered copy of the context).
- *   q          [s, h, d]           one query per sequence, at position seq_lens[i] - 1
+/* Causal attention of a step's new tokens over their sequences' paged caches (no gathered
+ * copy of the context). Sequence i owns query tokens [q_start[i], q_start[i + 1]) of q, the
+ * last chunk of its seq_lens[i] positions; their K/V are already in the cache.
+ *   q          [tokens, h, d]
  *   k_cache    [blocks, bs, hkv, d] v_cache likewise
- *   block_tables [s, max_blocks] int64, seq_lens [s] int64
- *   window     > 0: keys at positions > pos - window only; 0: all
+ *   block_tables [s, max_blocks] int64, seq_lens [s] int64, q_start [s + 1] int64
+ *   window     > 0: a query at position t sees keys in (t - window, t]; 0: all keys <= t
  *   softcap    > 0: scores -> softcap * tanh(scores / softcap); 0: off
- *   scratch    loom_attention_scratch_floats(s, h, d, max_len) floats, max_len >= seq_lens
- *   out        [s, h, d]
- * Query head j reads kv head j / (h / hkv). Softmax in float32 with the max subtracted. */
+ *   scratch    loom_attention_scratch_floats(tokens, h, d, max_len) floats
+ *   max_len    >= seq_lens[i] - (first key any query of sequence i sees), for every i
+ *   out        [tokens, h, d]
+ * Query head j reads kv head j / (h / hkv). Work items are (sequence, kv head, head slice,
+ * part of ATTN_PART keys): each key and value vector is read once per item and used by every
+ * query token and head of it; the parts are then merged with max/sum rescaling. */
 static void attention_body(
-    const float *q, const float *k_cache, const float *v_cache, const int64_t *block_tables,
-    int64_t max_blocks, const int64_t *seq_lens, int64_t s, int64_t h, int64_t hkv, int64_t d,
-    int64_t bs, int64_t window, float scale, float softcap, float *scratch, int64_t max_len,
-    float *out) {
+    const float *q, const int64_t *q_start, const float *k_cache, const float *v_cache,
+    const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int64_t s,
+    int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t window, float scale, float softcap,
+    float *scratch, int64_t max_len, float *out) {
     const int64_t group = h / hkv;
     const int64_t parts = max_len > 0 ? (max_len + ATTN_PART - 1) / ATTN_PART : 1;
     const int64_t slot_floats = ATTN_PART + d + 2;
@@ -227,60 +232,74 @@ static void attention_body(
         const int64_t h0 = kvh * group + slice * ATTN_MAX_GROUP;
         const int64_t ng = group - slice * ATTN_MAX_GROUP < ATTN_MAX_GROUP
                                ? group - slice * ATTN_MAX_GROUP : ATTN_MAX_GROUP;
-        const int64_t len = seq_lens[seq];
-        const int64_t lo = (window > 0 && len > window) ? len - window : 0;
+        const int64_t t0 = q_start[seq], ql = q_start[seq + 1] - t0;
+        const int64_t len = seq_lens[seq], first_pos = len - ql;
+        const int64_t lo = (window > 0 && first_pos - window + 1 > 0) ? first_pos - window + 1 : 0;
         const int64_t k0 = lo + part * ATTN_PART;
         const int64_t k1 = k0 + ATTN_PART < len ? k0 + ATTN_PART : len;
-        float *slot[ATTN_MAX_GROUP];
-        for (int64_t g = 0; g < ng; g++)
-            slot[g] = scratch + ((seq * h + h0 + g) * parts + part) * slot_floats;
-        if (k0 >= k1) { /* this part lies past the context: contributes nothing */
-            for (int64_t g = 0; g < ng; g++) {
-                slot[g][ATTN_PART + d] = -INFINITY;
-                slot[g][ATTN_PART + d + 1] = 0.0f;
-            }
-            continue;
-        }
         const int64_t *table = block_tables + seq * max_blocks;
-        const float *qs = q + (seq * h + h0) * d;
-        float mx[ATTN_MAX_GROUP];
-        for (int64_t g = 0; g < ng; g++) mx[g] = -INFINITY;
+#define SLOT(t, g) (scratch + (((t0 + (t)) * h + h0 + (g)) * parts + part) * slot_floats)
+        for (int64_t t = 0; t < ql; t++)
+            for (int64_t g = 0; g < ng; g++) {
+                SLOT(t, g)[ATTN_PART + d] = -INFINITY;
+                SLOT(t, g)[ATTN_PART + d + 1] = 0.0f;
+            }
+        if (k0 >= k1) continue; /* this part lies past the context */
         for (int64_t p = k0; p < k1; p++) {
             const float *kv = k_cache + ((table[p / bs] * bs + p % bs) * hkv + kvh) * d;
-            float dots[ATTN_MAX_GROUP];
-            dots_shared_key(qs, ng, kv, d, dots);
+            for (int64_t t = 0; t < ql; t++) {
+                const int64_t pos = first_pos + t;
+                if (p > pos || (window > 0 && p <= pos - window)) {
+                    for (int64_t g = 0; g < ng; g++) SLOT(t, g)[p - k0] = -INFINITY;
+                    continue;
+                }
+                float dots[ATTN_MAX_GROUP];
+                dots_shared_key(q + ((t0 + t) * h + h0) * d, ng, kv, d, dots);
+                for (int64_t g = 0; g < ng; g++) {
+                    float sc = dots[g] * scale;
+                    if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+                    float *sl = SLOT(t, g);
+                    sl[p - k0] = sc;
+                    if (sc > sl[ATTN_PART + d]) sl[ATTN_PART + d] = sc;
+                }
+            }
+        }
+        for (int64_t t = 0; t < ql; t++)
             for (int64_t g = 0; g < ng; g++) {
-                float sc = dots[g] * scale;
-                if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
-                slot[g][p - k0] = sc;
-                if (sc > mx[g]) mx[g] = sc;
+                float *sl = SLOT(t, g);
+                const float mx = sl[ATTN_PART + d];
+                memset(sl + ATTN_PART, 0, (size_t)d * sizeof(float));
+                if (mx == -INFINITY) continue; /* no visible key in this part */
+                float total = 0.0f;
+                for (int64_t p = 0; p < k1 - k0; p++) {
+                    sl[p] = expf(sl[p] - mx); /* masked keys: exp(-inf) = 0 */
+                    total += sl[p];
+                }
+                sl[ATTN_PART + d + 1] = total;
             }
-        }
-        for (int64_t g = 0; g < ng; g++) {
-            float total = 0.0f;
-            for (int64_t p = 0; p < k1 - k0; p++) {
-                slot[g][p] = expf(slot[g][p] - mx[g]);
-                total += slot[g][p];
-            }
-            memset(slot[g] + ATTN_PART, 0, (size_t)d * sizeof(float));
-            slot[g][ATTN_PART + d] = mx[g];
-            slot[g][ATTN_PART + d + 1] = total;
-        }
         for (int64_t p = k0; p < k1; p++) {
             const float *vv = v_cache + ((table[p / bs] * bs + p % bs) * hkv + kvh) * d;
-            for (int64_t g = 0; g < ng; g++) axpy_f32(slot[g][p - k0], vv, slot[g] + ATTN_PART, d);
+            for (int64_t t = 0; t < ql; t++) {
+                const int64_t pos = first_pos + t;
+                if (p > pos || (window > 0 && p <= pos - window)) continue;
+                for (int64_t g = 0; g < ng; g++) {
+                    float *sl = SLOT(t, g);
+                    axpy_f32(sl[p - k0], vv, sl + ATTN_PART, d);
+                }
+            }
         }
+#undef SLOT
     }
-    /* Phase 2: merge the parts of every (sequence, head). */
+    /* Phase 2: merge the parts of every (query token, head). */
 #pragma omp for schedule(static)
-    for (int64_t sh = 0; sh < s * h; sh++) {
-        const float *base = scratch + sh * parts * slot_floats;
+    for (int64_t th = 0; th < q_start[s] * h; th++) {
+        const float *base = scratch + th * parts * slot_floats;
         float gmax = -INFINITY;
         for (int64_t part = 0; part < parts; part++)
             if (base[part * slot_floats + ATTN_PART + d] > gmax)
                 gmax = base[part * slot_floats + ATTN_PART + d];
         float total = 0.0f;
-        float *o = out + sh * d;
+        float *o = out + th * d;
         memset(o, 0, (size_t)d * sizeof(float));
         for (int64_t part = 0; part < parts; part++) {
             const float *sl = base + part * slot_floats;
@@ -294,14 +313,14 @@ static void attention_body(
     }
 }
 
-LOOM_EXPORT void loom_paged_decode_attention(
-    const float *q, const float *k_cache, const float *v_cache, const int64_t *block_tables,
-    int64_t max_blocks, const int64_t *seq_lens, int64_t s, int64_t h, int64_t hkv, int64_t d,
-    int64_t bs, int64_t window, float scale, float softcap, float *scratch, int64_t max_len,
-    float *out) {
+LOOM_EXPORT void loom_paged_attention(
+    const float *q, const int64_t *q_start, const float *k_cache, const float *v_cache,
+    const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int64_t s,
+    int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t window, float scale, float softcap,
+    float *scratch, int64_t max_len, float *out) {
 #pragma omp parallel
-    attention_body(q, k_cache, v_cache, block_tables, max_blocks, seq_lens, s, h, hkv, d, bs,
-                   window, scale, softcap, scratch, max_len, out);
+    attention_body(q, q_start, k_cache, v_cache, block_tables, max_blocks, seq_lens, s, h, hkv,
+                   d, bs, window, scale, softcap, scratch, max_len, out);
 }
 
 /* out[r] = residual[r] + x[r] / rms(x[r]) * (w + offset), per row r of [rows, dim];
@@ -671,9 +690,10 @@ typedef struct {
 /* One layer, called by every thread of the enclosing parallel region. */
 static void decode_layer_body(const LoomDecoderLayer *L, float *x, int64_t m, const float *cos_t,
                               const float *sin_t, float *k_cache, float *v_cache,
-                              const int64_t *slots, const int64_t *block_tables,
-                              int64_t max_blocks, const int64_t *seq_lens, int64_t block_size,
-                              int64_t span, const Workspace *ws) {
+                              const int64_t *slots, const int64_t *q_start, int64_t num_seqs,
+                              const int64_t *block_tables, int64_t max_blocks,
+                              const int64_t *seq_lens, int64_t block_size, int64_t max_len,
+                              const Workspace *ws) {
     const int64_t hid = L->hidden, d = L->head_dim, inter = L->intermediate;
     const int64_t qd = L->heads * d, kd = L->kv_heads * d, qkv_n = qd + 2 * kd;
 
@@ -696,9 +716,9 @@ static void decode_layer_body(const LoomDecoderLayer *L, float *x, int64_t m, co
         memcpy(k_cache + slots[r] * kd, ws->k_rot + r * kd, (size_t)kd * sizeof(float));
         memcpy(v_cache + slots[r] * kd, ws->qkv + r * qkv_n + qd + kd, (size_t)kd * sizeof(float));
     }
-    attention_body(ws->q_rot, k_cache, v_cache, block_tables, max_blocks, seq_lens, m, L->heads,
-                   L->kv_heads, d, block_size, L->window, L->attn_scale, L->softcap, ws->scores,
-                   span, ws->attn);
+    attention_body(ws->q_rot, q_start, k_cache, v_cache, block_tables, max_blocks, seq_lens,
+                   num_seqs, L->heads, L->kv_heads, d, block_size, L->window, L->attn_scale,
+                   L->softcap, ws->scores, max_len, ws->attn);
     linear_any_body(&L->o, ws->attn, m, ws->h, ws->xq, ws->xs);
     if (L->sandwich_norms) {
         rms_norm_body(ws->h, m, hid, L->post_attn_norm, L->norm_offset, L->eps, x, x);
@@ -730,16 +750,18 @@ static void decode_layer_body(const LoomDecoderLayer *L, float *x, int64_t m, co
     }
 }
 
-/* All decoder layers of a decode step: x [m, hidden] (updated in place) holds one token of
- * each of m sequences. The token of sequence i sits at cache slot slots[i] and position
- * seq_lens[i] - 1; layer l rotates with cos_t[l]/sin_t[l] [m, head_dim] and keeps its cache in
- * k_caches[l]/v_caches[l] [blocks, block_size, kv_heads, head_dim]. K/V of the new tokens are
- * written first; attention then reads each context from the paged cache (block_tables
- * [m, max_blocks]). Each layer runs the kernels above in the order the modules call them. */
+/* All decoder layers of a small step: x [m, hidden] (updated in place) holds the step's m new
+ * tokens, sequence i owning tokens [q_start[i], q_start[i + 1]), the last positions of its
+ * seq_lens[i]. Token t goes to cache slot slots[t]; layer l rotates with cos_t[l]/sin_t[l]
+ * [m, head_dim] and keeps its cache in k_caches[l]/v_caches[l] [blocks, block_size, kv_heads,
+ * head_dim]. K/V of the new tokens are written first; attention then reads each context from
+ * the paged cache (block_tables [num_seqs, max_blocks]); max_len >= every seq_len. Each layer
+ * runs the kernels above in the order the modules call them. */
 LOOM_EXPORT void loom_decode_layers(const LoomDecoderLayer *layers, int64_t num_layers, float *x,
                                     int64_t m, const float *const *cos_t,
                                     const float *const *sin_t, float *const *k_caches,
                                     float *const *v_caches, const int64_t *slots,
+                                    const int64_t *q_start, int64_t num_seqs,
                                     const int64_t *block_tables, int64_t max_blocks,
                                     const int64_t *seq_lens, int64_t block_size,
                                     int64_t max_len) {
@@ -775,10 +797,9 @@ LOOM_EXPORT void loom_decode_layers(const LoomDecoderLayer *layers, int64_t num_
     ws.xs = (float *)malloc((size_t)(m * (max_k / QBLOCK) + 1) * sizeof(float));
 #pragma omp parallel
     for (int64_t l = 0; l < num_layers; l++) {
-        const LoomDecoderLayer *L = &layers[l];
-        const int64_t span = (L->window > 0 && L->window < max_len) ? L->window : max_len;
-        decode_layer_body(L, x, m, cos_t[l], sin_t[l], k_caches[l], v_caches[l], slots,
-                          block_tables, max_blocks, seq_lens, block_size, span, &ws);
+        decode_layer_body(&layers[l], x, m, cos_t[l], sin_t[l], k_caches[l], v_caches[l], slots,
+                          q_start, num_seqs, block_tables, max_blocks, seq_lens, block_size,
+                          max_len, &ws);
     }
     free(ws.h), free(ws.qkv), free(ws.q), free(ws.k), free(ws.q_rot), free(ws.k_rot);
     free(ws.attn), free(ws.scores), free(ws.gu), free(ws.act), free(ws.xq), free(ws.xs);

@@ -108,6 +108,48 @@ def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return y
 
 
+def paged_attention(
+    q: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its paged context.
+
+    q [T, H, D]; sequence i owns query rows [query_start_loc[i], query_start_loc[i + 1]), the
+    last positions of its seq_lens[i]; their K/V are already in kv_cache [2, blocks,
+    block_size, Hkv, D] float32. block_tables [S, max_blocks] int64; `max_seq_len` >= every
+    seq_len. Returns [T, H, D].
+    """
+    _check(q, "q", torch.float32)
+    _check(query_start_loc, "query_start_loc", torch.int64)
+    _check(kv_cache, "kv_cache", torch.float32)
+    _check(block_tables, "block_tables", torch.int64)
+    _check(seq_lens, "seq_lens", torch.int64)
+    t, h, d = q.shape
+    _, _, block_size, hkv, d_cache = kv_cache.shape
+    s = seq_lens.shape[0]
+    if (d_cache != d or h % hkv or block_tables.shape[0] != s
+            or query_start_loc.shape != (s + 1,)):
+        raise ValueError("q, query_start_loc, kv_cache, block_tables and seq_lens do not match")
+    lib = _lib()
+    scratch = torch.empty(lib.loom_attention_scratch_floats(t, h, d, max_seq_len),
+                          dtype=torch.float32)
+    out = torch.empty_like(q)
+    lib.loom_paged_attention(
+        q.data_ptr(), query_start_loc.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+        block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), s, h, hkv, d,
+        block_size, window or 0, scale, softcap or 0.0, scratch.data_ptr(), max_seq_len,
+        out.data_ptr(),
+    )
+    return out
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -118,28 +160,10 @@ def paged_decode_attention(
     window: int | None,
     softcap: float | None,
 ) -> torch.Tensor:
-    """One query per sequence over its paged context: q [S, H, D] -> [S, H, D].
-
-    kv_cache [2, blocks, block_size, Hkv, D] float32; block_tables [S, max_blocks] int64;
-    seq_lens [S] int64 (the query sits at seq_len - 1); `max_seq_len` >= every seq_len.
-    """
-    _check(q, "q", torch.float32)
-    _check(kv_cache, "kv_cache", torch.float32)
-    _check(block_tables, "block_tables", torch.int64)
-    _check(seq_lens, "seq_lens", torch.int64)
-    s, h, d = q.shape
-    _, _, block_size, hkv, d_cache = kv_cache.shape
-    if d_cache != d or h % hkv or block_tables.shape[0] != s or seq_lens.shape != (s,):
-        raise ValueError("q, kv_cache, block_tables and seq_lens shapes do not match")
-    span = min(max_seq_len, window) if window else max_seq_len
-    scratch = torch.empty(_lib().loom_attention_scratch_floats(s, h, d, span), dtype=torch.float32)
-    out = torch.empty_like(q)
-    _lib().loom_paged_decode_attention(
-        q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_tables.data_ptr(),
-        block_tables.shape[1], seq_lens.data_ptr(), s, h, hkv, d, block_size,
-        window or 0, scale, softcap or 0.0, scratch.data_ptr(), span, out.data_ptr(),
-    )
-    return out
+    """One query per sequence (at position seq_len - 1): q [S, H, D] -> [S, H, D]."""
+    starts = torch.arange(q.shape[0] + 1, dtype=torch.int64)
+    return paged_attention(q, starts, kv_cache, block_tables, seq_lens, max_seq_len, scale,
+                           window, softcap)
 
 
 def rms_norm(

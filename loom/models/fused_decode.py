@@ -1,4 +1,4 @@
-"""Decode steps through one C call for all decoder layers (`loom_decode_layers`).
+"""Small steps (decodes, short appends) through one C call for all layers (`loom_decode_layers`).
 
 A decode step computes one token per sequence; in eager PyTorch its cost on a CPU is mostly
 per-operation overhead (about 25 small ops per layer). When every layer of a model has the
@@ -23,6 +23,11 @@ from loom.attention import AttentionMetadata
 from loom.kernels import cpu_kernels_available, load_library
 from loom.models.layers import GatedMLP, Linear, RMSNorm, SelfAttention
 from loom.models.quant import Int8Linear
+
+# Steps with at most this many tokens run fused: decodes, and short chunks such as a live
+# append, whose tokens each attend as a single query. Longer prefills use the modules
+# (batched attention and matmuls pay off there).
+FUSED_MAX_TOKENS = 32
 
 _ACTIVATION_CODES = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
 
@@ -135,7 +140,9 @@ class FusedDecoder:
         assert lib is not None
         self._fn = lib.loom_decode_layers
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        self._fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, i64]
+        self._fn.argtypes = [
+            ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64,
+        ]
         self._fn.restype = None
         # Layers sharing a rotary spec share cos/sin tables (Gemma: local and global).
         self._rope_keys = [(layer.self_attn.rotary.spec, layer.self_attn.rotary.head_dim)
@@ -158,10 +165,11 @@ class FusedDecoder:
 
     @staticmethod
     def applies(hidden: torch.Tensor, md: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
-        """True for a pure-decode step on float32 CPU tensors with nothing for autograd (the
-        decoder is built only over layers whose parameters do not require gradients)."""
+        """True for a small step (at most FUSED_MAX_TOKENS tokens: decodes, short appends) on
+        float32 CPU tensors with nothing for autograd (the decoder is built only over layers
+        whose parameters do not require gradients)."""
         return (
-            md.is_pure_decode
+            md.num_tokens <= FUSED_MAX_TOKENS
             and hidden.dtype == torch.float32
             and hidden.device.type == "cpu"
             and not (torch.is_grad_enabled() and hidden.requires_grad)
@@ -185,8 +193,10 @@ class FusedDecoder:
             raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
         x = hidden.contiguous().clone()
         m = x.shape[0]
-        tables = md.block_tables.contiguous()
-        seq_lens = md.seq_lens.contiguous()
+        # The K/V of all the step's tokens are written before any of them attends; a chunk's
+        # tokens attend causally (each up to its own position).
+        tables, seq_lens = md.block_tables.contiguous(), md.seq_lens.contiguous()
+        q_start = md.query_start_loc.contiguous()
         slots = md.slot_mapping.contiguous()
         rope: dict[object, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer, key in zip(self.layers, self._rope_keys, strict=True):
@@ -199,7 +209,7 @@ class FusedDecoder:
         k_ptrs, v_ptrs = self._caches(kv_caches)
         self._fn(
             ctypes.addressof(self._descs), n, x.data_ptr(), m, cos_ptrs, sin_ptrs, k_ptrs,
-            v_ptrs, slots.data_ptr(), tables.data_ptr(), tables.shape[1], seq_lens.data_ptr(),
-            md.block_size, max(md.seq_lens_list),
+            v_ptrs, slots.data_ptr(), q_start.data_ptr(), md.num_seqs, tables.data_ptr(),
+            tables.shape[1], seq_lens.data_ptr(), md.block_size, max(md.seq_lens_list),
         )
         return x

@@ -159,3 +159,32 @@ def test_argmax_logsumexp_matches_torch_and_takes_the_first_tie() -> None:
     idx, lse = argmax_logsumexp(x)
     assert idx.tolist() == x.argmax(dim=-1).tolist() == [idx[0].item(), 5, idx[2].item(), 0]
     torch.testing.assert_close(lse, x.logsumexp(dim=-1), atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 4, 300])
+def test_paged_attention_chunks_are_causal(window: int | None) -> None:
+    """Two sequences with several new tokens each (one spanning many parts of 128 keys)."""
+    from loom.kernels import paged_attention
+
+    g = torch.Generator().manual_seed(8)
+    block, heads, kv_heads, dim = 16, 4, 1, 32
+    cache = torch.randn(2, 40, block, kv_heads, dim, generator=g)
+    tables = torch.tensor([list(range(39, 19, -1)), list(range(0, 20))])
+    seq_lens, q_lens = [300, 9], [5, 9]
+    q = torch.randn(sum(q_lens), heads, dim, generator=g)
+    starts = torch.tensor([0, 5, 14])
+    out = paged_attention(q, starts, cache, tables, torch.tensor(seq_lens), 300, 0.2, window,
+                          None)
+    for i, (length, ql) in enumerate(zip(seq_lens, q_lens, strict=True)):
+        keys = cache[0][tables[i]].reshape(-1, kv_heads, dim)[:length].repeat_interleave(4, 1)
+        vals = cache[1][tables[i]].reshape(-1, kv_heads, dim)[:length].repeat_interleave(4, 1)
+        rows = q[starts[i] : starts[i + 1]]
+        scores = torch.einsum("qhd,khd->hqk", rows, keys) * 0.2
+        q_pos = torch.arange(length - ql, length)[:, None]
+        k_pos = torch.arange(length)[None, :]
+        visible = k_pos <= q_pos
+        if window:
+            visible &= k_pos > q_pos - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals)
+        torch.testing.assert_close(out[starts[i] : starts[i + 1]], ref, atol=1e-5, rtol=1e-5)
