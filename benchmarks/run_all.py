@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ["latency", "throughput", "sessions", "hooks"]
+BENCHMARKS = ["latency", "throughput", "sessions", "hooks", "quality"]
 
 
 def main() -> int:
