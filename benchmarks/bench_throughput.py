@@ -113,7 +113,8 @@ def main() -> None:
     parser.add_argument("--output-min", type=int, default=None, help="default 64 (quick 8)")
     parser.add_argument("--output-max", type=int, default=None, help="default 256 (quick 32)")
     parser.add_argument("--hf-batch-size", type=int, default=16)
-    parser.add_argument("--hf-dtype", default="same", help="'same' = Loom's dtype")
+    parser.add_argument("--hf-dtypes", nargs="+", default=["same"],
+                        help="HF dtypes to run ('same' = Loom's dtype), e.g. same bfloat16")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--loom-modes", nargs="+", default=["default", "w8a8"],
                         help="Loom variants: 'default' (its dtype) and quantization modes")
@@ -145,12 +146,12 @@ def main() -> None:
         results[label] = run_loom(llm, work)
         del llm
 
-    hf_dtype = dtype if args.hf_dtype == "same" else args.hf_dtype
-    label = f"transformers {hf_dtype} (batches of {args.hf_batch_size})"
-    hf = c.load_hf(args.model, hf_dtype, disabled=args.no_hf)
-    if hf is None:
-        skipped.append(label)
-    else:
+    for hf_dtype in dict.fromkeys(dtype if d == "same" else d for d in args.hf_dtypes):
+        label = f"transformers {hf_dtype} (batches of {args.hf_batch_size})"
+        hf = c.load_hf(args.model, hf_dtype, disabled=args.no_hf)
+        if hf is None:
+            skipped.append(label)
+            continue
         c.log(f"{label}: {len(work)} prompts")
         results[label] = run_hf(hf, work, args.hf_batch_size)
         del hf
