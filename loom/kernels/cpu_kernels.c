@@ -87,8 +87,8 @@ static void tile4_accumulate(const float *tile, int64_t kc, const float *x, int6
 
 /* y[m, n] = scale[n] * sum_k x[m, k] * w[n, k] (+ bias[n]): weight-only int8 linear.
  * x [m, k] float32, w [n, k] int8 row-major, scale [n] float32, bias [n] or NULL, y [m, n].
- * Output rows are computed independently of one another, so a row's result does not depend
- * on what else is in the batch except through m == 1 vs m > 1 (summation order). */
+ * Every (x row, weight row) sum runs in the same order whether m == 1 (fused path) or m > 1
+ * (tiled path), so a row's result does not depend on the rest of the batch. */
 static void w8_body(const float *x, int64_t m, int64_t k, const int8_t *w, const float *scale,
                     const float *bias, int64_t n, float *y) {
     const int64_t quads = n / 4;
@@ -183,7 +183,7 @@ static inline void dots_shared_key(const float *q, int64_t ng, const float *key,
     }
 }
 
-/* Keys per work item of decode attention: a sequence's context is split into parts of this
+/* Keys per work item of paged attention: a sequence's context is split into parts of this
  * many keys, attended separately (all query heads of one kv head together, so each key and
  * value vector is read once) and merged with the usual max/sum rescaling. */
 #define ATTN_PART 128

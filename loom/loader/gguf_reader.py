@@ -2,6 +2,7 @@
 
 `gguf.GGUFReader` builds a numpy view per array element, which costs tens of seconds for a
 262k-token vocabulary; this parser walks the same layout once and keeps arrays as offsets.
+The model loader and the GGUF tokenizer converter both read files through it.
 """
 
 from __future__ import annotations
@@ -130,6 +131,10 @@ class GGUFFile:
         value = self.metadata.get(key, default)
         return self.array(value) if isinstance(value, GGUFArray) else value
 
+    def all_metadata(self) -> dict[str, Any]:
+        """Every key/value pair, arrays decoded to (nested) lists."""
+        return {key: self.get(key) for key in self.metadata}
+
     def array(self, array: GGUFArray) -> list[Any]:
         """Decode a metadata array (numeric arrays via numpy, strings one by one)."""
         if array.item_type in _NUMPY:
@@ -138,7 +143,7 @@ class GGUFFile:
         out, pos = [], array.offset
         for _ in range(array.count):
             item, pos = self._value(array.item_type, pos)
-            out.append(item)
+            out.append(self.array(item) if isinstance(item, GGUFArray) else item)
         return out
 
     def array_item(self, key: str, index: int) -> Any:

@@ -68,6 +68,10 @@ class CausalLM(nn.Module):
                 h = layer(positions, h)
         return self.model.norm(h)
 
+    def invalidate_fused_decoder(self) -> None:
+        """Forget the fused decoder (after weights changed); the next decode rebuilds it."""
+        self.fused_decoder, self.fused_decode_status = None, "not built"
+
     def _fused_decoder(self) -> FusedDecoder | None:
         """Built at the first decode (after weights, fusion and quantisation are final)."""
         if self.fused_decoder is None and self.fused_decode_status == "not built":

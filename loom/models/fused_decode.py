@@ -1,14 +1,16 @@
 """Small steps (decodes, short appends) through one C call for all layers (`loom_decode_layers`).
 
 A decode step computes one token per sequence; in eager PyTorch its cost on a CPU is mostly
-per-operation overhead (about 25 small ops per layer). When every layer of a model has the
-supported shape (pre-norm or Gemma's sandwich norms, stacked q/k/v and gate/up projections,
-float32 or int8 weights, rotate-half RoPE, SiLU or tanh-GELU) and the KV cache is float32 on
-the CPU, `FusedDecoder` runs all layers in a single call into Loom's C kernels (one OpenMP
-parallel region for the whole step), with the same kernels the modules call one by one.
+per-operation overhead (about 25 small ops per layer, each waking the thread pool). When
+every layer of a model has the supported shape (pre-norm or Gemma's sandwich norms, stacked
+q/k/v and gate/up projections, float32 or int8 weights, rotate-half RoPE, SiLU or
+tanh-GELU) and the KV cache is float32 on the CPU, `FusedDecoder` runs all layers in a
+single call into Loom's C kernels (one OpenMP parallel region for the whole step), with the
+same kernels the modules call one by one.
 
 The descriptors hold raw pointers to the model's weights; the decoder keeps references to
-those tensors, and must be rebuilt (`CausalLM.fused_decoder = None`) if weights are replaced.
+those tensors. Replacing weights after the first decode needs
+`CausalLM.invalidate_fused_decoder()`.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from loom.models.layers import GatedMLP, Linear, RMSNorm, SelfAttention
 from loom.models.quant import Int8Linear
 
 # Steps with at most this many tokens run fused: decodes, and short chunks such as a live
-# append, whose tokens each attend as a single query. Longer prefills use the modules
-# (batched attention and matmuls pay off there).
+# append (the attention kernel is causal within a chunk). Longer prefills use the modules,
+# where torch's batched attention and matmuls pay off.
 FUSED_MAX_TOKENS = 32
 
 _ACTIVATION_CODES = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
@@ -188,7 +190,7 @@ class FusedDecoder:
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
             kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """hidden [S, H] (one token per sequence) through every layer; returns a new tensor."""
+        """hidden [T, H] (the step's new tokens) through every layer; returns a new tensor."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers")
         x = hidden.contiguous().clone()

@@ -68,7 +68,7 @@ def _write_atomic(target: Path, text: str) -> None:
 
 def load_gguf_tokenizer(path: Path, cache_dir: Path | None = None) -> Tokenizer:
     """The tokenizer a GGUF file's metadata describes; reuses the on-disk conversion if fresh."""
-    from loom.tokenizer.gguf_metadata import read_gguf_metadata
+    from loom.loader.gguf_reader import GGUFFile
     from loom.tokenizer.gguf_tokenizer import tokenizer_from_gguf_metadata
 
     cache = cache_dir if cache_dir is not None else default_cache_dir()
@@ -81,7 +81,7 @@ def load_gguf_tokenizer(path: Path, cache_dir: Path | None = None) -> Tokenizer:
             return Tokenizer(backend, config)
         except Exception:  # a corrupt or foreign entry: rebuild it
             pass
-    backend, config = tokenizer_from_gguf_metadata(read_gguf_metadata(path))
+    backend, config = tokenizer_from_gguf_metadata(GGUFFile(path).all_metadata())
     try:
         cache.mkdir(parents=True, exist_ok=True)
         # The model file first: a meta file is the mark of a complete entry.

@@ -11,8 +11,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
 from loom.errors import UnsupportedModelError
+from loom.loader.gguf_reader import GGUFFile
 from loom.tokenizer import load_tokenizer
-from loom.tokenizer.gguf_metadata import read_gguf_metadata
 
 gguf = pytest.importorskip("gguf")
 
@@ -111,7 +111,7 @@ def test_byte_level_config(tmp_path: Path) -> None:
 
 def test_metadata_reader_matches_gguf_package(tmp_path: Path) -> None:
     path = _sentencepiece_gguf(tmp_path / "sp.gguf")
-    ours = read_gguf_metadata(path)
+    ours = GGUFFile(path).all_metadata()
     reader = gguf.GGUFReader(str(path))
     for key, field in reader.fields.items():
         if key.startswith("GGUF."):
