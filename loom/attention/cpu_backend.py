@@ -9,7 +9,7 @@ import torch
 from loom.attention.backend import AttentionSpec
 from loom.attention.metadata import AttentionMetadata
 from loom.attention.torch_backend import TorchAttentionBackend
-from loom.kernels import paged_decode_attention
+from loom.kernels import paged_attention
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,7 @@ class _KernelDecodeRows:
     """Inputs of the decode kernel for one step (shared by all layers)."""
 
     token_idx: torch.Tensor | None  # packed row of each decode query; None = all rows, in order
+    query_starts: torch.Tensor  # [S + 1] int64: 0, 1, ..., S (one query per sequence)
     block_tables: torch.Tensor  # [S, max_blocks] int64, contiguous
     seq_lens: torch.Tensor  # [S] int64
     max_seq_len: int
@@ -45,9 +46,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return
         rows = self._kernel_rows(md, decodes)
         queries = q if rows.token_idx is None else q[rows.token_idx]
-        result = paged_decode_attention(
-            queries.contiguous(), kv_cache, rows.block_tables, rows.seq_lens, rows.max_seq_len,
-            spec.scale, spec.sliding_window, spec.logit_softcap,
+        result = paged_attention(
+            queries.contiguous(), rows.query_starts, kv_cache, rows.block_tables, rows.seq_lens,
+            rows.max_seq_len, spec.scale, spec.sliding_window, spec.logit_softcap,
         )
         if rows.token_idx is None:
             out.copy_(result)
@@ -61,7 +62,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             return cached
         if len(decodes) == md.num_seqs:  # pure decode: one token per sequence, in order
             rows = _KernelDecodeRows(
-                None, md.block_tables.contiguous(), md.seq_lens, max(md.seq_lens_list)
+                None, torch.arange(len(decodes) + 1), md.block_tables.contiguous(), md.seq_lens,
+                max(md.seq_lens_list),
             )
         else:
             starts = [0]
@@ -70,6 +72,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             index = torch.tensor(decodes, dtype=torch.int64)
             rows = _KernelDecodeRows(
                 torch.tensor([starts[b] for b in decodes], dtype=torch.int64),
+                torch.arange(len(decodes) + 1),
                 md.block_tables[index].contiguous(),
                 md.seq_lens[index].contiguous(),
                 max(md.seq_lens_list[b] for b in decodes),

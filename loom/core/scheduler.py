@@ -164,9 +164,10 @@ class Scheduler:
         return True
 
     def _admit(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
-        """Allocate for a waiting request, evicting idle sessions (never running requests)."""
+        """Allocate for a waiting request, evicting idle sessions and newer waiting requests'
+        blocks (never running requests)."""
         while not self.kv.allocate_slots(request.request_id, num_tokens):
-            victim = self._idle_victim()
+            victim = self._idle_victim() or self._waiting_victim(request)
             if victim is None:
                 return False
             self._preempt(victim, out)
@@ -179,11 +180,22 @@ class Scheduler:
         ]
         return min(idle, key=lambda r: r.last_used) if idle else None
 
+    def _waiting_victim(self, request: Request) -> Request | None:
+        """The newest waiting request, arrived after `request`, that holds blocks (a forked
+        child not started yet): it must not keep an older request from ever fitting."""
+        holders = [
+            r for r in self.waiting
+            if r is not request and r.arrival_order > request.arrival_order
+            and self.kv.holds_blocks(r.request_id)
+        ]
+        return max(holders, key=lambda r: r.arrival_order) if holders else None
+
     def _pick_victim(self, request: Request, scheduled: set[str]) -> Request:
-        """Idle sessions first (least recently used, unpinned), then the newest running one."""
-        idle = self._idle_victim()
-        if idle is not None:
-            return idle
+        """Idle sessions first (least recently used, unpinned), then newer waiting requests
+        that hold blocks, then the newest running one (possibly `request` itself)."""
+        victim = self._idle_victim() or self._waiting_victim(request)
+        if victim is not None:
+            return victim
         candidates = [r for r in self.running if r.request_id not in scheduled]
         return max(candidates, key=lambda r: r.arrival_order) if candidates else request
 
@@ -195,6 +207,8 @@ class Scheduler:
         out.preempted_request_ids.append(victim.request_id)
         if victim.request_id in self.idle:
             return  # stays idle (status unchanged); `wake` sends it to `waiting`
+        if victim not in self.running:
+            return  # a waiting request keeps its place in the queue, now without blocks
         self.running.remove(victim)
         victim.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(victim)

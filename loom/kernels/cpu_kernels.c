@@ -413,34 +413,46 @@ static void quantize_rows_body(const float *x, int64_t m, int64_t k, int8_t *xq,
         quantize_row_q8(x + r * k, k, xq + r * k, xs + r * (k / QBLOCK));
 }
 
+/* y[m, n] = scale[n] * sum_k q8(x)[m, k] * w[n, k] (+ bias[n]) from quantised rows xq/xs.
+ * The weight is row-major [n, k] (quad == 0) or in the "quad" layout (quad == 1): rows
+ * 4q..4q+3 interleaved in blocks of 32, w[((q * (k / 32) + b) * 4 + i) * 32 + j] =
+ * W[4q + i, 32b + j], so each thread reads one sequential stream (row-major makes four short
+ * streams per group of rows, which the hardware prefetcher follows less well; the quad layout
+ * needs n % 4 == 0). Both layouts sum in the same order and give identical results. */
 static void w8a8_body(const int8_t *xq, const float *xs, int64_t m, int64_t k, const int8_t *w,
-                      const float *scale, const float *bias, int64_t n, float *y) {
+                      int quad, const float *scale, const float *bias, int64_t n, float *y) {
     const int64_t nb = k / QBLOCK;
     const int64_t quads = n / 4;
+    /* Row 4q + i's block b starts at w + 4qk + b * block_step + i * row_step. */
+    const int64_t row_step = quad ? QBLOCK : k, block_step = quad ? 4 * QBLOCK : QBLOCK;
 #pragma omp for schedule(static)
     for (int64_t qd = 0; qd < quads; qd++) {
         const int64_t row = qd * 4;
-        const int8_t *wr = w + row * k;
-        if (qd + PREFETCH_QUADS < quads)
+        const int8_t *wq = w + qd * 4 * k;
+        if (!quad && qd + PREFETCH_QUADS < quads)
             for (int64_t off = 0; off < 4 * k; off += 64)
-                _mm_prefetch((const char *)(wr + PREFETCH_QUADS * 4 * k + off), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wq + PREFETCH_QUADS * 4 * k + off), _MM_HINT_T0);
         for (int64_t r = 0; r < m; r++) {
             const int8_t *xr = xq + r * k;
             const float *sr = xs + r * nb;
             __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
             __m256 acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
             for (int64_t b = 0; b < nb; b++) {
+                const int8_t *wb = wq + b * block_step;
+                if (quad && r == 0) {
+                    _mm_prefetch((const char *)(wb + QUAD_PREFETCH_BYTES), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(wb + QUAD_PREFETCH_BYTES + 64), _MM_HINT_T0);
+                }
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + b * QBLOCK));
                 const __m256 d = _mm256_set1_ps(sr[b]);
-                const int8_t *wb = wr + b * QBLOCK;
                 acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(
                     _mm256_loadu_si256((const __m256i *)wb), xv)), d, acc0);
                 acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(
-                    _mm256_loadu_si256((const __m256i *)(wb + k)), xv)), d, acc1);
+                    _mm256_loadu_si256((const __m256i *)(wb + row_step)), xv)), d, acc1);
                 acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(
-                    _mm256_loadu_si256((const __m256i *)(wb + 2 * k)), xv)), d, acc2);
+                    _mm256_loadu_si256((const __m256i *)(wb + 2 * row_step)), xv)), d, acc2);
                 acc3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(
-                    _mm256_loadu_si256((const __m256i *)(wb + 3 * k)), xv)), d, acc3);
+                    _mm256_loadu_si256((const __m256i *)(wb + 3 * row_step)), xv)), d, acc3);
             }
             const float s[4] = {hsum256(acc0), hsum256(acc1), hsum256(acc2), hsum256(acc3)};
             for (int i = 0; i < 4; i++) {
@@ -449,6 +461,7 @@ static void w8a8_body(const int8_t *xq, const float *xs, int64_t m, int64_t k, c
             }
         }
     }
+    /* The last n % 4 rows (row-major only), one at a time. */
 #pragma omp single
     for (int64_t row = quads * 4; row < n; row++)
         for (int64_t r = 0; r < m; r++) {
@@ -464,63 +477,25 @@ static void w8a8_body(const int8_t *xq, const float *xs, int64_t m, int64_t k, c
         }
 }
 
-/* The same products with the weight in the "quad" layout: rows 4q..4q+3 interleaved in
- * blocks of 32, wp[((q * (k / 32) + b) * 4 + i) * 32 + j] = w[4q + i, 32b + j], so each thread
- * reads one sequential stream (the row-major layout makes four short streams per quad, which
- * the hardware prefetcher follows less well). n a multiple of 4. Sums in the same order as
- * w8a8_body, so both layouts give identical results. */
-static void w8a8_quad_body(const int8_t *xq, const float *xs, int64_t m, int64_t k,
-                           const int8_t *wp, const float *scale, const float *bias, int64_t n,
-                           float *y) {
-    const int64_t nb = k / QBLOCK;
-    const int64_t quads = n / 4;
-#pragma omp for schedule(static)
-    for (int64_t qd = 0; qd < quads; qd++) {
-        const int64_t row = qd * 4;
-        const int8_t *wq = wp + qd * 4 * k;
-        for (int64_t r = 0; r < m; r++) {
-            const int8_t *xr = xq + r * k;
-            const float *sr = xs + r * nb;
-            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-            __m256 acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
-                const int8_t *wb = wq + b * 4 * QBLOCK;
-                if (r == 0) {
-                    _mm_prefetch((const char *)(wb + QUAD_PREFETCH_BYTES), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(wb + QUAD_PREFETCH_BYTES + 64), _MM_HINT_T0);
-                }
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + b * QBLOCK));
-                const __m256 d = _mm256_set1_ps(sr[b]);
-                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(
-                    _mm256_loadu_si256((const __m256i *)wb), xv)), d, acc0);
-                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(
-                    _mm256_loadu_si256((const __m256i *)(wb + QBLOCK)), xv)), d, acc1);
-                acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(
-                    _mm256_loadu_si256((const __m256i *)(wb + 2 * QBLOCK)), xv)), d, acc2);
-                acc3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(
-                    _mm256_loadu_si256((const __m256i *)(wb + 3 * QBLOCK)), xv)), d, acc3);
-            }
-            const float s[4] = {hsum256(acc0), hsum256(acc1), hsum256(acc2), hsum256(acc3)};
-            for (int i = 0; i < 4; i++) {
-                const float v = s[i] * scale[row + i];
-                y[r * n + row + i] = bias ? v + bias[row + i] : v;
-            }
-        }
-    }
-}
-
-LOOM_EXPORT void loom_linear_w8a8_quad(const float *x, int64_t m, int64_t k, const int8_t *wp,
-                                       const float *scale, const float *bias, int64_t n,
-                                       float *y) {
+/* y = x @ W.T through w8a8_body, quantising x first (see loom_linear_w8a8). */
+static void linear_w8a8_entry(const float *x, int64_t m, int64_t k, const int8_t *w, int quad,
+                              const float *scale, const float *bias, int64_t n, float *y) {
     int8_t *xq = (int8_t *)aligned_alloc(32, (size_t)((m * k + 31) / 32 * 32));
     float *xs = (float *)malloc((size_t)(m * (k / QBLOCK) + 1) * sizeof(float));
 #pragma omp parallel
     {
         quantize_rows_body(x, m, k, xq, xs);
-        w8a8_quad_body(xq, xs, m, k, wp, scale, bias, n, y);
+        w8a8_body(xq, xs, m, k, w, quad, scale, bias, n, y);
     }
     free(xq);
     free(xs);
+}
+
+/* loom_linear_w8a8 with the weight in the quad layout (n a multiple of 4). */
+LOOM_EXPORT void loom_linear_w8a8_quad(const float *x, int64_t m, int64_t k, const int8_t *wp,
+                                       const float *scale, const float *bias, int64_t n,
+                                       float *y) {
+    linear_w8a8_entry(x, m, k, wp, 1, scale, bias, n, y);
 }
 
 /* y[m, n] = scale[n] * sum_k q8(x)[m, k] * w[n, k] (+ bias[n]); k a multiple of 32.
@@ -528,15 +503,7 @@ LOOM_EXPORT void loom_linear_w8a8_quad(const float *x, int64_t m, int64_t k, con
  * per block), so products run as integer multiply-adds. Rows are independent of each other. */
 LOOM_EXPORT void loom_linear_w8a8(const float *x, int64_t m, int64_t k, const int8_t *w,
                                   const float *scale, const float *bias, int64_t n, float *y) {
-    int8_t *xq = (int8_t *)aligned_alloc(32, (size_t)((m * k + 31) / 32 * 32));
-    float *xs = (float *)malloc((size_t)(m * (k / QBLOCK) + 1) * sizeof(float));
-#pragma omp parallel
-    {
-        quantize_rows_body(x, m, k, xq, xs);
-        w8a8_body(xq, xs, m, k, w, scale, bias, n, y);
-    }
-    free(xq);
-    free(xs);
+    linear_w8a8_entry(x, m, k, w, 0, scale, bias, n, y);
 }
 
 /* ---- float32 weights: small batches, where BLAS repacks the whole weight every call ---- */
@@ -594,7 +561,7 @@ LOOM_EXPORT void loom_linear_f32(const float *x, int64_t m, int64_t k, const flo
 /* A linear layer as the fused decoder sees it. */
 typedef struct {
     /* 0 float32 weight, 1 int8 weight-only, 2 int8 weights x int8 activations, 3 the same with
-     * the weight in the quad layout (see w8a8_quad_body) */
+     * the weight in the quad layout (see w8a8_body) */
     int32_t kind;
     int32_t reserved;
     int64_t in_features, out_features;
@@ -627,12 +594,8 @@ static void linear_any_body(const LoomLinear *l, const float *x, int64_t m, floa
                 l->out_features, y);
     } else {
         quantize_rows_body(x, m, l->in_features, xq, xs);
-        if (l->kind == 3)
-            w8a8_quad_body(xq, xs, m, l->in_features, (const int8_t *)l->weight, l->scale,
-                           l->bias, l->out_features, y);
-        else
-            w8a8_body(xq, xs, m, l->in_features, (const int8_t *)l->weight, l->scale, l->bias,
-                      l->out_features, y);
+        w8a8_body(xq, xs, m, l->in_features, (const int8_t *)l->weight, l->kind == 3, l->scale,
+                  l->bias, l->out_features, y);
     }
 }
 

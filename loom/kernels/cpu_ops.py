@@ -150,22 +150,6 @@ def paged_attention(
     return out
 
 
-def paged_decode_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_seq_len: int,
-    scale: float,
-    window: int | None,
-    softcap: float | None,
-) -> torch.Tensor:
-    """One query per sequence (at position seq_len - 1): q [S, H, D] -> [S, H, D]."""
-    starts = torch.arange(q.shape[0] + 1, dtype=torch.int64)
-    return paged_attention(q, starts, kv_cache, block_tables, seq_lens, max_seq_len, scale,
-                           window, softcap)
-
-
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
     residual: torch.Tensor | None = None,

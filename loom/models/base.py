@@ -52,8 +52,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, H] of the packed tokens (attention metadata from the context).
 
-        Pure-decode steps on the CPU run the layers through `FusedDecoder` when it supports
-        the model (one C call per layer); everything else runs the modules.
+        Small steps on the CPU (decodes, short appends) run the layers through
+        `FusedDecoder` when it supports the model (one C call for all layers); everything
+        else runs the modules.
         """
         h = self.model.embed_tokens(input_ids)
         if self.embed_scale is not None:

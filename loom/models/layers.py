@@ -105,15 +105,17 @@ def _stack_linears(linears: list[nn.Linear]) -> nn.Linear:
     weight = torch.cat([lin.weight.detach() for lin in linears])
     biases = [lin.bias for lin in linears]
     has_bias = any(b is not None for b in biases)
-    fused = Linear(weight.shape[1], weight.shape[0], bias=has_bias,
-                      device=weight.device, dtype=weight.dtype)
+    fused = Linear(weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device,
+                   dtype=weight.dtype)
     with torch.no_grad():
         fused.weight.copy_(weight)
         if has_bias:
             fused.bias.copy_(torch.cat([
-                b.detach() if b is not None else torch.zeros(lin.out_features, dtype=weight.dtype)
+                b.detach() if b is not None
+                else torch.zeros(lin.out_features, dtype=weight.dtype, device=weight.device)
                 for b, lin in zip(biases, linears, strict=True)
             ]))
+    fused.requires_grad_(any(lin.weight.requires_grad for lin in linears))
     return fused
 
 

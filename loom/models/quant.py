@@ -1,11 +1,13 @@
-"""Weight-only int8 linear layers, swapped into a loaded model.
+"""int8 linear layers ("int8": weight-only; "w8a8": int8 activations too), swapped into a model.
 
 Weights are per-output-channel symmetric int8 (w[n, k] ~ w_int8[n, k] * scale[n]). Float32
 activations on a CPU with Loom's compiled kernels (`loom.kernels`) run through an AVX2
-kernel that reads the int8 weights once per step and keeps the activations in float32;
-elsewhere small batches use `aten._weight_int8pack_mm` on bfloat16 activations. Large
-batches (prefill) dequantise and use the float matmul. The embedding lookup stays exact: a
-tied output projection gets its own int8 copy while the embedding table keeps the model dtype.
+kernel that reads the int8 weights once per step: "int8" keeps the activations in float32,
+"w8a8" rounds them to int8 per block of 32 and multiplies in integers (weights stored in the
+streaming "quad" layout). Elsewhere small batches use `aten._weight_int8pack_mm` on bfloat16
+activations. Large batches (prefill) dequantise and use the float matmul. The embedding
+lookup stays exact: a tied output projection gets its own int8 copy while the embedding table
+keeps the model dtype.
 
 Measured and rejected on an AVX2 CPU (Gemma 3 270M, teacher-forced top-1 vs float32):
 fbgemm's `quantized::linear_dynamic` is about 2x faster but quantises activations per call

@@ -27,8 +27,8 @@ def build_model(
     """Resolve `path` (alias, HF folder or .gguf), construct the model and load its weights.
 
     After loading, q/k/v and gate/up projections are stacked into one layer each
-    (`fuse_projections`). `quantization="int8"` loads in float32, turns every linear layer
-    (and the output projection) into weight-only int8, then casts the remaining parameters
+    (`fuse_projections`). `quantization="int8"` / `"w8a8"` loads in float32, turns every
+    linear layer (and the output projection) into int8, then casts the remaining parameters
     to `dtype`.
     """
     if quantization is not None and quantization not in QUANTIZATIONS:

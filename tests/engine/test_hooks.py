@@ -243,6 +243,14 @@ def test_random_trees_never_leak(tiny_models, data, num_blocks):
     run_random_trees(tiny_models["qwen2"][0], num_blocks, plans, data.draw(st.booleans()))
 
 
+def test_forked_children_waiting_with_blocks_do_not_starve_an_older_sequence(tiny_models):
+    """A child that needs almost the whole pool once its own children merged: the waiting
+    grandchildren of another branch hold forked blocks; they are evicted (and recompute)
+    instead of the child preempting itself forever (found by the random-tree test)."""
+    engine = run_random_trees(tiny_models["qwen2"][0], 14, [[P, P, P], [P]])
+    assert engine.scheduler.num_preemptions > 0
+
+
 def test_trees_under_preemption_never_leak(tiny_models):
     plans = [[S, S, None], [P], [None, P, None, None, P]]
     engine = run_random_trees(tiny_models["qwen2"][0], 20, plans)

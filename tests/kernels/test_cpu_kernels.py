@@ -14,7 +14,7 @@ from loom.kernels import (
     kernel_status,
     linear_f32,
     linear_w8,
-    paged_decode_attention,
+    paged_attention,
     rms_norm,
     rope_neox,
 )
@@ -69,7 +69,8 @@ def test_paged_decode_attention_matches_dense(window: int | None, softcap: float
     tables = torch.tensor([[7, 2, 9, 4], [0, 11, 0, 0], [5, 3, 10, 1]])
     seq_lens = torch.tensor([15, 6, 16])
     q = torch.randn(3, heads, dim, generator=g)
-    out = paged_decode_attention(q, cache, tables, seq_lens, 16, 0.25, window, softcap)
+    starts = torch.arange(4)  # one query per sequence
+    out = paged_attention(q, starts, cache, tables, seq_lens, 16, 0.25, window, softcap)
     for i, length in enumerate(seq_lens.tolist()):
         keys = cache[0][tables[i]].reshape(-1, kv_heads, dim)[:length]
         vals = cache[1][tables[i]].reshape(-1, kv_heads, dim)[:length]
@@ -164,8 +165,6 @@ def test_argmax_logsumexp_matches_torch_and_takes_the_first_tie() -> None:
 @pytest.mark.parametrize("window", [None, 4, 300])
 def test_paged_attention_chunks_are_causal(window: int | None) -> None:
     """Two sequences with several new tokens each (one spanning many parts of 128 keys)."""
-    from loom.kernels import paged_attention
-
     g = torch.Generator().manual_seed(8)
     block, heads, kv_heads, dim = 16, 4, 1, 32
     cache = torch.randn(2, 40, block, kv_heads, dim, generator=g)
