@@ -61,6 +61,13 @@ static void dot4_i8_x1(const int8_t *w, const float *x, int64_t k, float out[4])
 #define PREFETCH_QUADS 4
 #endif
 
+/* Streams from DRAM run at about half the bandwidth without a software prefetch of the rows a
+ * few groups ahead: bring `bytes` bytes from `start` towards the cache, a line at a time. */
+static inline void prefetch_bytes(const void *start, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64)
+        _mm_prefetch((const char *)start + off, _MM_HINT_T0);
+}
+
 /* acc[r][i][0..1] += the products of tile row i and x row r over one k-chunk (kc a multiple of
  * 16), split exactly as dot4_i8_x1 splits them, so m == 1 and m > 1 sum in the same order. */
 static void tile4_accumulate(const float *tile, int64_t kc, const float *x, int64_t k,
@@ -101,11 +108,7 @@ static void w8_body(const float *x, int64_t m, int64_t k, const int8_t *w, const
         for (int64_t qd = 0; qd < quads; qd++) {
             const int64_t row = qd * 4;
             const int8_t *wr = w + row * k;
-            /* Streams from DRAM run at about half the bandwidth without a software prefetch
-             * of the rows a few quads ahead. */
-            if (qd + PREFETCH_QUADS < quads)
-                for (int64_t off = 0; off < 4 * k; off += 64)
-                    _mm_prefetch((const char *)(wr + PREFETCH_QUADS * 4 * k + off), _MM_HINT_T0);
+            if (qd + PREFETCH_QUADS < quads) prefetch_bytes(wr + PREFETCH_QUADS * 4 * k, 4 * k);
             if (m == 1) {
                 dot4_i8_x1(wr, x, k, sums);
                 for (int i = 0; i < 4; i++) {
@@ -430,8 +433,7 @@ static void w8a8_body(const int8_t *xq, const float *xs, int64_t m, int64_t k, c
         const int64_t row = qd * 4;
         const int8_t *wq = w + qd * 4 * k;
         if (!quad && qd + PREFETCH_QUADS < quads)
-            for (int64_t off = 0; off < 4 * k; off += 64)
-                _mm_prefetch((const char *)(wq + PREFETCH_QUADS * 4 * k + off), _MM_HINT_T0);
+            prefetch_bytes(wq + PREFETCH_QUADS * 4 * k, 4 * k);
         for (int64_t r = 0; r < m; r++) {
             const int8_t *xr = xq + r * k;
             const float *sr = xs + r * nb;
@@ -520,8 +522,7 @@ static void f32_body(const float *x, int64_t m, int64_t k, const float *w, const
         const int64_t row = qd * 4;
         const float *wr = w + row * k;
         if (qd + PREFETCH_QUADS < quads)
-            for (int64_t off = 0; off < 4 * k; off += 16)
-                _mm_prefetch((const char *)(wr + PREFETCH_QUADS * 4 * k + off), _MM_HINT_T0);
+            prefetch_bytes(wr + PREFETCH_QUADS * 4 * k, 4 * k * (int64_t)sizeof(float));
         for (int64_t r = 0; r < m; r++) {
             const float *xr = x + r * k;
             __m256 acc[8];
