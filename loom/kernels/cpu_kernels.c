@@ -651,6 +651,18 @@ typedef struct {
     float *xs;
 } Workspace;
 
+/* x += norm(h) with Gemma's sandwich norms (`norm` the post-attention or post-feedforward
+ * weight), else x += h: a block's output joins the residual stream. */
+static void add_block_output(const LoomDecoderLayer *L, const float *norm, const float *h,
+                             float *x, int64_t m) {
+    if (L->sandwich_norms) {
+        rms_norm_body(h, m, L->hidden, norm, L->norm_offset, L->eps, x, x);
+    } else {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < m * L->hidden; t++) x[t] += h[t];
+    }
+}
+
 /* One layer, called by every thread of the enclosing parallel region. */
 static void decode_layer_body(const LoomDecoderLayer *L, float *x, int64_t m, const float *cos_t,
                               const float *sin_t, float *k_cache, float *v_cache,
@@ -684,12 +696,7 @@ static void decode_layer_body(const LoomDecoderLayer *L, float *x, int64_t m, co
                    num_seqs, L->heads, L->kv_heads, d, block_size, L->window, L->attn_scale,
                    L->softcap, ws->scores, max_len, ws->attn);
     linear_any_body(&L->o, ws->attn, m, ws->h, ws->xq, ws->xs);
-    if (L->sandwich_norms) {
-        rms_norm_body(ws->h, m, hid, L->post_attn_norm, L->norm_offset, L->eps, x, x);
-    } else {
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < m * hid; t++) x[t] += ws->h[t];
-    }
+    add_block_output(L, L->post_attn_norm, ws->h, x, m);
 
     /* Feed-forward block. */
     rms_norm_body(x, m, hid, L->pre_ffn_norm, L->norm_offset, L->eps, NULL, ws->h);
@@ -706,12 +713,7 @@ static void decode_layer_body(const LoomDecoderLayer *L, float *x, int64_t m, co
             a[j] = (L->activation == 1 ? gelu_tanh(g[j]) : g[j] / (1.0f + expf(-g[j]))) * u[j];
     }
     linear_any_body(&L->down, ws->act, m, ws->h, ws->xq, ws->xs);
-    if (L->sandwich_norms) {
-        rms_norm_body(ws->h, m, hid, L->post_ffn_norm, L->norm_offset, L->eps, x, x);
-    } else {
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < m * hid; t++) x[t] += ws->h[t];
-    }
+    add_block_output(L, L->post_ffn_norm, ws->h, x, m);
 }
 
 /* All decoder layers of a small step: x [m, hidden] (updated in place) holds the step's m new

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from loom.attention import AttentionMetadata
-from loom.kernels import cpu_kernels_available, load_library
+from loom.kernels import cpu_kernels_available, load_library, use_cpu_kernels
 from loom.models.layers import GatedMLP, Linear, RMSNorm, SelfAttention
 from loom.models.quant import Int8Linear
 
@@ -172,9 +172,7 @@ class FusedDecoder:
         whose parameters do not require gradients)."""
         return (
             md.num_tokens <= FUSED_MAX_TOKENS
-            and hidden.dtype == torch.float32
-            and hidden.device.type == "cpu"
-            and not (torch.is_grad_enabled() and hidden.requires_grad)
+            and use_cpu_kernels(hidden)
             and all(c.dtype == torch.float32 and c.is_contiguous() for c in kv_caches)
         )
 
