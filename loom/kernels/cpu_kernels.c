@@ -186,12 +186,35 @@ static inline void dots_shared_key(const float *q, int64_t ng, const float *key,
     }
 }
 
+/* exp of 8 floats: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor
+ * polynomial (relative error below 2e-7 on that interval), scaled by 2^n. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    /* r = x - n ln2, with ln2 split in two parts so the subtraction stays exact. */
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i scale = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
 /* Keys per work item of paged attention: a sequence's context is split into parts of this
  * many keys, attended separately (all query heads of one kv head together, so each key and
  * value vector is read once) and merged with the usual max/sum rescaling. */
 #define ATTN_PART 128
 /* Query heads per kv head handled in one pass; larger groups loop over slices of this size. */
 #define ATTN_MAX_GROUP 8
+/* Keys ahead whose K rows the score pass prefetches. */
+#define ATTN_PREFETCH_KEYS 4
 
 /* Floats of scratch attention_body needs for `tokens` queries: per (query token, head, part)
  * a slot of ATTN_PART scores, d partial outputs, the running max and the sum of exponentials;
@@ -241,15 +264,27 @@ static void attention_body(
         const int64_t k0 = lo + part * ATTN_PART;
         const int64_t k1 = k0 + ATTN_PART < len ? k0 + ATTN_PART : len;
         const int64_t *table = block_tables + seq * max_blocks;
+        const int64_t nk = k1 - k0;
 #define SLOT(t, g) (scratch + (((t0 + (t)) * h + h0 + (g)) * parts + part) * slot_floats)
         for (int64_t t = 0; t < ql; t++)
             for (int64_t g = 0; g < ng; g++) {
                 SLOT(t, g)[ATTN_PART + d] = -INFINITY;
                 SLOT(t, g)[ATTN_PART + d + 1] = 0.0f;
             }
-        if (k0 >= k1) continue; /* this part lies past the context */
+        if (nk <= 0) continue; /* this part lies past the context */
+        /* Scores: each key is read once for every query token and head of the item; masked
+         * keys score -inf. The value rows are prefetched meanwhile for the second pass. */
+        const float *vrows[ATTN_PART];
         for (int64_t p = k0; p < k1; p++) {
-            const float *kv = k_cache + ((table[p / bs] * bs + p % bs) * hkv + kvh) * d;
+            const int64_t slot = (table[p / bs] * bs + p % bs) * hkv + kvh;
+            const float *kv = k_cache + slot * d;
+            vrows[p - k0] = v_cache + slot * d;
+            prefetch_bytes(vrows[p - k0], d * (int64_t)sizeof(float));
+            if (p + ATTN_PREFETCH_KEYS < k1) {
+                const int64_t pf = p + ATTN_PREFETCH_KEYS;
+                prefetch_bytes(k_cache + ((table[pf / bs] * bs + pf % bs) * hkv + kvh) * d,
+                               d * (int64_t)sizeof(float));
+            }
             for (int64_t t = 0; t < ql; t++) {
                 const int64_t pos = first_pos + t;
                 if (p > pos || (window > 0 && p <= pos - window)) {
@@ -267,30 +302,65 @@ static void attention_body(
                 }
             }
         }
+        /* Softmax numerators exp(score - max) in place (masked keys: exactly 0). */
         for (int64_t t = 0; t < ql; t++)
             for (int64_t g = 0; g < ng; g++) {
                 float *sl = SLOT(t, g);
                 const float mx = sl[ATTN_PART + d];
-                memset(sl + ATTN_PART, 0, (size_t)d * sizeof(float));
-                if (mx == -INFINITY) continue; /* no visible key in this part */
-                float total = 0.0f;
-                for (int64_t p = 0; p < k1 - k0; p++) {
-                    sl[p] = expf(sl[p] - mx); /* masked keys: exp(-inf) = 0 */
+                if (mx == -INFINITY) { /* no visible key in this part */
+                    memset(sl, 0, (size_t)nk * sizeof(float));
+                    continue;
+                }
+                const __m256 vmx = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-INFINITY);
+                __m256 acc = _mm256_setzero_ps();
+                int64_t p = 0;
+                for (; p + 8 <= nk; p += 8) {
+                    const __m256 s8 = _mm256_loadu_ps(sl + p);
+                    const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(s8, vmx)),
+                                                   _mm256_cmp_ps(s8, ninf, _CMP_NEQ_OQ));
+                    _mm256_storeu_ps(sl + p, e);
+                    acc = _mm256_add_ps(acc, e);
+                }
+                float total = hsum256(acc);
+                for (; p < nk; p++) {
+                    sl[p] = sl[p] == -INFINITY ? 0.0f : expf(sl[p] - mx);
                     total += sl[p];
                 }
                 sl[ATTN_PART + d + 1] = total;
             }
-        for (int64_t p = k0; p < k1; p++) {
-            const float *vv = v_cache + ((table[p / bs] * bs + p % bs) * hkv + kvh) * d;
-            for (int64_t t = 0; t < ql; t++) {
-                const int64_t pos = first_pos + t;
-                if (p > pos || (window > 0 && p <= pos - window)) continue;
-                for (int64_t g = 0; g < ng; g++) {
-                    float *sl = SLOT(t, g);
-                    axpy_f32(sl[p - k0], vv, sl + ATTN_PART, d);
+        /* Values: out[t, g] = sum_p e[t, g, p] v[p], up to four heads at a time with the
+         * 16-float chunk of each head's output in registers over all keys of the part. */
+        for (int64_t t = 0; t < ql; t++)
+            for (int64_t g0 = 0; g0 < ng; g0 += 4) {
+                const int64_t n4 = ng - g0 < 4 ? ng - g0 : 4;
+                const float *e[4];
+                for (int64_t g = 0; g < n4; g++) e[g] = SLOT(t, g0 + g);
+                int64_t c = 0;
+                for (; c + 16 <= d; c += 16) {
+                    __m256 acc[8];
+                    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+                    for (int64_t p = 0; p < nk; p++) {
+                        const __m256 v0 = _mm256_loadu_ps(vrows[p] + c);
+                        const __m256 v1 = _mm256_loadu_ps(vrows[p] + c + 8);
+                        for (int64_t g = 0; g < n4; g++) {
+                            const __m256 w = _mm256_broadcast_ss(e[g] + p);
+                            acc[2 * g] = _mm256_fmadd_ps(w, v0, acc[2 * g]);
+                            acc[2 * g + 1] = _mm256_fmadd_ps(w, v1, acc[2 * g + 1]);
+                        }
+                    }
+                    for (int64_t g = 0; g < n4; g++) {
+                        float *o = SLOT(t, g0 + g) + ATTN_PART + c;
+                        _mm256_storeu_ps(o, acc[2 * g]);
+                        _mm256_storeu_ps(o + 8, acc[2 * g + 1]);
+                    }
                 }
+                for (; c < d; c++)
+                    for (int64_t g = 0; g < n4; g++) {
+                        float sum = 0.0f;
+                        for (int64_t p = 0; p < nk; p++) sum += e[g][p] * vrows[p][c];
+                        SLOT(t, g0 + g)[ATTN_PART + c] = sum;
+                    }
             }
-        }
 #undef SLOT
     }
     /* Phase 2: merge the parts of every (query token, head). */
@@ -603,27 +673,6 @@ static void linear_any_body(const LoomLinear *l, const float *x, int64_t m, floa
 static inline float gelu_tanh(float v) {
     const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
     return 0.5f * v * (1.0f + tanhf(c * (v + 0.044715f * v * v * v)));
-}
-
-/* exp of 8 floats: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor
- * polynomial (relative error below 2e-7 on that interval), scaled by 2^n. */
-static inline __m256 exp256(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    /* r = x - n ln2, with ln2 split in two parts so the subtraction stays exact. */
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i scale = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
 
 /* act(g) * u for 8 lanes: act 1 = tanh-GELU (tanh(y) = 1 - 2 / (exp(2y) + 1)), else SiLU. */
