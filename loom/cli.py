@@ -23,6 +23,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--device", default="auto")
     gen.add_argument("--quantization", default=None, choices=[None, "int8", "w8a8"])
+    gen.add_argument("--kv-cache-dtype", default="auto",
+                     help="auto (the model dtype), float16, bfloat16 or float32")
     sub.add_parser("demo", help="run the live-session demo (madlibs)")
     return parser
 
@@ -46,7 +48,8 @@ def _generate(args: argparse.Namespace) -> int:
     from loom import LLM, SamplingParams
 
     llm = LLM(
-        model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization
+        model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     params = SamplingParams(
         temperature=args.temperature,

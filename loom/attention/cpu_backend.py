@@ -9,7 +9,7 @@ import torch
 from loom.attention.backend import AttentionSpec
 from loom.attention.metadata import AttentionMetadata
 from loom.attention.torch_backend import TorchAttentionBackend
-from loom.kernels import paged_attention
+from loom.kernels import KV_CACHE_KERNEL_DTYPES, paged_attention
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,9 @@ class _KernelDecodeRows:
 class CpuAttentionBackend(TorchAttentionBackend):
     """The torch backend, with decode attention computed without gathering the context.
 
-    Float32 caches on the CPU take the kernel; anything else (bf16 caches) falls back to the
-    torch decode path. Prefill chunks always use the torch path (one SDPA per chunk).
+    Float32 queries over float32 or float16 caches on the CPU take the kernel; anything else
+    (bf16) falls back to the torch decode path. Prefill chunks always use the torch path (one
+    SDPA per chunk).
     """
 
     name = "cpu"
@@ -41,7 +42,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         decodes: list[int],
         out: torch.Tensor,
     ) -> None:
-        if q.dtype != torch.float32 or kv_cache.dtype != torch.float32 or q.device.type != "cpu":
+        if (q.dtype != torch.float32 or kv_cache.dtype not in KV_CACHE_KERNEL_DTYPES
+                or q.device.type != "cpu"):
             super()._decode_rows(spec, q, kv_cache, md, decodes, out)
             return
         rows = self._kernel_rows(md, decodes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -63,29 +64,35 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
-        """Build the metadata for sequences given by start position, chunk length and blocks."""
-        num_seqs = len(query_lens)
+        """Build the metadata for sequences given by start position, chunk length and blocks.
+
+        Plain Python lists, one tensor per field at the end: a decode step has a handful of
+        numbers, and a long chunk costs one list extend per block it touches.
+        """
         seq_lens = [s + q for s, q in zip(start_pos, query_lens, strict=True)]
-        max_blocks = max((len(b) for b in block_ids), default=0)
-        table = torch.zeros((num_seqs, max(max_blocks, 1)), dtype=torch.int64)
-        for i, blocks in enumerate(block_ids):
-            if blocks:
-                table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
-        q_lens = torch.tensor(query_lens, dtype=torch.int64)
-        qsl = torch.zeros(num_seqs + 1, dtype=torch.int64)
-        torch.cumsum(q_lens, 0, out=qsl[1:])
-        num_tokens = int(qsl[-1])
-        # seq_idx[t] = sequence of packed token t; positions follow from the chunk offsets.
-        seq_idx = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
-        starts = torch.tensor(start_pos, dtype=torch.int64)
-        positions = torch.arange(num_tokens) - qsl[:-1][seq_idx] + starts[seq_idx]
-        slots = table[seq_idx, positions // block_size] * block_size + positions % block_size
+        positions: list[int] = []
+        slots: list[int] = []
+        for start, end, blocks in zip(start_pos, seq_lens, block_ids, strict=True):
+            positions.extend(range(start, end))
+            pos = start
+            while pos < end:  # the run of slots inside each block the chunk touches
+                block, offset = divmod(pos, block_size)
+                run = min(block_size - offset, end - pos)
+                first = blocks[block] * block_size + offset
+                slots.extend(range(first, first + run))
+                pos += run
+        max_blocks = max(1, max((len(b) for b in block_ids), default=0))
+        table = [list(b) + [0] * (max_blocks - len(b)) for b in block_ids]
+
+        def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(device)
+
         return cls(
-            slot_mapping=slots.to(device),
-            positions=positions.to(device),
-            query_start_loc=qsl.to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(device),
-            block_tables=table.to(device),
+            slot_mapping=tensor(slots),
+            positions=tensor(positions),
+            query_start_loc=tensor(list(accumulate(query_lens, initial=0))),
+            seq_lens=tensor(seq_lens),
+            block_tables=tensor(table).view(len(block_ids), max_blocks),
             block_size=block_size,
             query_lens_list=list(query_lens),
             seq_lens_list=seq_lens,

@@ -148,8 +148,10 @@ class TorchAttentionBackend(AttentionBackend):
         n, num_blk = plan.block_ids.shape
         length = num_blk * block_size
         # [n, nb, bs, Hkv, D] -> [n, Hkv, L, D]
+        # Caches may be stored in a narrower dtype than q (kv_cache_dtype): attend in q's.
         keys = kv_cache[0][plan.block_ids].view(n, length, spec.num_kv_heads, spec.head_dim)
         vals = kv_cache[1][plan.block_ids].view(n, length, spec.num_kv_heads, spec.head_dim)
+        keys, vals = keys.to(q.dtype), vals.to(q.dtype)
         qd = q[plan.token_idx].unsqueeze(2)  # [n, H, 1, D]
         out = attend(
             qd, keys.transpose(1, 2), vals.transpose(1, 2), plan.mask, spec.scale,
@@ -179,6 +181,7 @@ class TorchAttentionBackend(AttentionBackend):
         length = seq_len - key0
         keys = kv_cache[0][blocks].view(-1, spec.num_kv_heads, spec.head_dim)[:length]
         vals = kv_cache[1][blocks].view(-1, spec.num_kv_heads, spec.head_dim)[:length]
+        keys, vals = keys.to(q.dtype), vals.to(q.dtype)
         mask: torch.Tensor | None = None
         if key0 != start or (window and window < q_len):
             q_pos = torch.arange(start, seq_len, device=q.device)[:, None]

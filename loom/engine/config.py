@@ -26,6 +26,9 @@ class EngineArgs:
     seed: int = 0
     session_ttl_s: float | None = 3600.0
     quantization: str | None = None
+    # "auto": the model dtype; "float16" / "bfloat16" halve a float32 model's KV memory and
+    # the bytes decode attention reads (CPU kernels read float16 natively).
+    kv_cache_dtype: str = "auto"
     special_kwargs: Any = None  # loom.engine.promise_sync.SpecialKwargs
     hooks: list[Any] = field(default_factory=list)  # loom.engine.hooks.SequenceHook objects
 
@@ -54,6 +57,7 @@ class EngineConfig:
     quantization: str | None
     special_kwargs: Any = None
     hooks: tuple[Any, ...] = ()
+    kv_cache_dtype: str = "float32"
 
     @property
     def block_size(self) -> int:

@@ -59,6 +59,19 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return dtype
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
+    """"auto" is the model dtype; otherwise one of the dtype names (aliases accepted)."""
+    name = _DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
+    if name == "auto":
+        return model_dtype
+    if name not in _DTYPES:
+        raise InvalidRequestError(
+            f"unsupported kv_cache_dtype {kv_cache_dtype!r}; choose 'auto' or one of "
+            f"{sorted(_DTYPES)}"
+        )
+    return name
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype for a resolved dtype name."""
     return _DTYPES[name]
@@ -74,6 +87,7 @@ def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tok
     tokenizer_path = resolve_model_path(args.tokenizer) if args.tokenizer else model_path
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     if args.quantization not in (None, *QUANTIZATIONS):
         raise InvalidRequestError(
             f"unsupported quantization {args.quantization!r}; choose one of {QUANTIZATIONS}"
@@ -84,7 +98,7 @@ def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tok
     if args.num_kv_blocks is not None:
         num_blocks = args.num_kv_blocks
     else:
-        per_block = kv_cache_bytes_per_block(model_config, args.block_size, torch_dtype(dtype))
+        per_block = kv_cache_bytes_per_block(model_config, args.block_size, torch_dtype(kv_dtype))
         num_blocks = min(_MAX_AUTO_BLOCKS, int(args.kv_cache_memory_gb * 2**30 // per_block))
     if num_blocks <= 0:
         raise InvalidRequestError(f"the KV pool must have at least one block, got {num_blocks}")
@@ -111,10 +125,12 @@ def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tok
         quantization=args.quantization,
         special_kwargs=args.special_kwargs,
         hooks=tuple(args.hooks),
+        kv_cache_dtype=kv_dtype,
     )
     assert cdiv(max_model_len, args.block_size) <= num_blocks
     runner = ModelRunner(
-        model_config, model, torch.device(device), torch_dtype(dtype), num_blocks, args.block_size
+        model_config, model, torch.device(device), torch_dtype(dtype), num_blocks, args.block_size,
+        kv_cache_dtype=torch_dtype(kv_dtype),
     )
     tokenizer = load_tokenizer(tokenizer_path)
     return config, runner, tokenizer

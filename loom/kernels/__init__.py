@@ -7,6 +7,7 @@ fallback once.
 
 from loom.kernels.build import kernel_status, load_library
 from loom.kernels.cpu_ops import (
+    KV_CACHE_KERNEL_DTYPES,
     argmax_logsumexp,
     cpu_kernels_available,
     linear_f32,
@@ -18,6 +19,7 @@ from loom.kernels.cpu_ops import (
 )
 
 __all__ = [
+    "KV_CACHE_KERNEL_DTYPES",
     "argmax_logsumexp",
     "cpu_kernels_available",
     "kernel_status",

@@ -23,10 +23,11 @@ import torch
 from loom.cache_dir import loom_cache_dir
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-# -ffp-contract=off: every fused multiply-add is an explicit intrinsic, so results do not
-# depend on how the compiler contracts the scalar code (batch invariance relies on it).
+# -mf16c: float16 KV caches (every AVX2 CPU has F16C). -ffp-contract=off: every fused
+# multiply-add is an explicit intrinsic, so results do not depend on how the compiler
+# contracts the scalar code (batch invariance relies on it).
 FLAGS = (
-    "-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
+    "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
     "-fvisibility=hidden",
 )
 
@@ -40,7 +41,7 @@ SIGNATURES: dict[str, list[type]] = {
     "loom_linear_f32": [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr],
     "loom_paged_attention": [
         _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
-        _f32, _f32, _ptr, _i64, _ptr,
+        _f32, _f32, _ptr, _i64, _ptr, _i64,
     ],
     "loom_rms_norm": [_ptr, _i64, _i64, _ptr, _f32, _f32, _ptr, _ptr],
     "loom_rope_neox": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr],

@@ -160,18 +160,43 @@ static inline void axpy_f32(float alpha, const float *x, float *y, int64_t d) {
     for (; j < d; j++) y[j] += alpha * x[j];
 }
 
+/* The KV cache holds float32 or float16 (f16 != 0) elements; these read element j of a row
+ * (eight of them from j) as float32. */
+static inline __m256 load_kv8(const void *row, int64_t j, int f16) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + j)))
+               : _mm256_loadu_ps((const float *)row + j);
+}
+
+static inline float load_kv1(const void *row, int64_t j, int f16) {
+    return f16 ? _cvtsh_ss(((const uint16_t *)row)[j]) : ((const float *)row)[j];
+}
+
+/* Write n float32 values as a cache row (rounded to nearest even for float16). */
+static inline void store_kv_row(void *row, const float *src, int64_t n, int f16) {
+    if (!f16) {
+        memcpy(row, src, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *dst = (uint16_t *)row;
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        _mm_storeu_si128((__m128i *)(dst + j),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + j), _MM_FROUND_TO_NEAREST_INT));
+    for (; j < n; j++) dst[j] = _cvtss_sh(src[j], _MM_FROUND_TO_NEAREST_INT);
+}
+
 /* out[g] = dot(q + g * d, key) for the ng <= 8 query heads that share one key vector: the
  * key is loaded once per 16 floats and four heads accumulate at a time in independent
  * registers (a single dot product is bound by the latency of its own additions). */
-static inline void dots_shared_key(const float *q, int64_t ng, const float *key, int64_t d,
-                                   float *out) {
+static inline void dots_shared_key(const float *q, int64_t ng, const void *key, int64_t d,
+                                   int f16, float *out) {
     for (int64_t g0 = 0; g0 < ng; g0 += 4) {
         const int64_t n4 = ng - g0 < 4 ? ng - g0 : 4;
         __m256 acc[8];
         for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
         int64_t j = 0;
         for (; j + 16 <= d; j += 16) {
-            const __m256 k0 = _mm256_loadu_ps(key + j), k1 = _mm256_loadu_ps(key + j + 8);
+            const __m256 k0 = load_kv8(key, j, f16), k1 = load_kv8(key, j + 8, f16);
             for (int64_t g = 0; g < n4; g++) {
                 const float *qg = q + (g0 + g) * d + j;
                 acc[2 * g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg), k0, acc[2 * g]);
@@ -180,7 +205,7 @@ static inline void dots_shared_key(const float *q, int64_t ng, const float *key,
         }
         for (int64_t g = 0; g < n4; g++) {
             float sum = hsum256(_mm256_add_ps(acc[2 * g], acc[2 * g + 1]));
-            for (int64_t t = j; t < d; t++) sum += q[(g0 + g) * d + t] * key[t];
+            for (int64_t t = j; t < d; t++) sum += q[(g0 + g) * d + t] * load_kv1(key, t, f16);
             out[g0 + g] = sum;
         }
     }
@@ -229,7 +254,7 @@ LOOM_EXPORT int64_t loom_attention_scratch_floats(int64_t tokens, int64_t h, int
  * copy of the context). Sequence i owns query tokens [q_start[i], q_start[i + 1]) of q, the
  * last chunk of its seq_lens[i] positions; their K/V are already in the cache.
  *   q          [tokens, h, d]
- *   k_cache    [blocks, bs, hkv, d] v_cache likewise
+ *   k_cache    [blocks, bs, hkv, d] float32, or float16 when f16; v_cache likewise
  *   block_tables [s, max_blocks] int64, seq_lens [s] int64, q_start [s + 1] int64
  *   window     > 0: a query at position t sees keys in (t - window, t]; 0: all keys <= t
  *   softcap    > 0: scores -> softcap * tanh(scores / softcap); 0: off
@@ -239,11 +264,12 @@ LOOM_EXPORT int64_t loom_attention_scratch_floats(int64_t tokens, int64_t h, int
  * Query head j reads kv head j / (h / hkv). Work items are (sequence, kv head, head slice,
  * part of ATTN_PART keys): each key and value vector is read once per item and used by every
  * query token and head of it; the parts are then merged with max/sum rescaling. */
-static void attention_body(
-    const float *q, const int64_t *q_start, const float *k_cache, const float *v_cache,
+static inline __attribute__((always_inline)) void attention_body_t(
+    const float *q, const int64_t *q_start, const void *k_cache, const void *v_cache,
     const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int64_t s,
     int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t window, float scale, float softcap,
-    float *scratch, int64_t max_len, float *out) {
+    float *scratch, int64_t max_len, float *out, int f16) {
+    const int64_t row_bytes = d * (f16 ? 2 : 4);
     const int64_t group = h / hkv;
     const int64_t parts = max_len > 0 ? (max_len + ATTN_PART - 1) / ATTN_PART : 1;
     const int64_t slot_floats = ATTN_PART + d + 2;
@@ -274,16 +300,17 @@ static void attention_body(
         if (nk <= 0) continue; /* this part lies past the context */
         /* Scores: each key is read once for every query token and head of the item; masked
          * keys score -inf. The value rows are prefetched meanwhile for the second pass. */
-        const float *vrows[ATTN_PART];
+        const char *vrows[ATTN_PART];
         for (int64_t p = k0; p < k1; p++) {
             const int64_t slot = (table[p / bs] * bs + p % bs) * hkv + kvh;
-            const float *kv = k_cache + slot * d;
-            vrows[p - k0] = v_cache + slot * d;
-            prefetch_bytes(vrows[p - k0], d * (int64_t)sizeof(float));
+            const char *kv = (const char *)k_cache + slot * row_bytes;
+            vrows[p - k0] = (const char *)v_cache + slot * row_bytes;
+            prefetch_bytes(vrows[p - k0], row_bytes);
             if (p + ATTN_PREFETCH_KEYS < k1) {
                 const int64_t pf = p + ATTN_PREFETCH_KEYS;
-                prefetch_bytes(k_cache + ((table[pf / bs] * bs + pf % bs) * hkv + kvh) * d,
-                               d * (int64_t)sizeof(float));
+                prefetch_bytes((const char *)k_cache +
+                                   ((table[pf / bs] * bs + pf % bs) * hkv + kvh) * row_bytes,
+                               row_bytes);
             }
             for (int64_t t = 0; t < ql; t++) {
                 const int64_t pos = first_pos + t;
@@ -292,7 +319,7 @@ static void attention_body(
                     continue;
                 }
                 float dots[ATTN_MAX_GROUP];
-                dots_shared_key(q + ((t0 + t) * h + h0) * d, ng, kv, d, dots);
+                dots_shared_key(q + ((t0 + t) * h + h0) * d, ng, kv, d, f16, dots);
                 for (int64_t g = 0; g < ng; g++) {
                     float sc = dots[g] * scale;
                     if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
@@ -340,8 +367,8 @@ static void attention_body(
                     __m256 acc[8];
                     for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
                     for (int64_t p = 0; p < nk; p++) {
-                        const __m256 v0 = _mm256_loadu_ps(vrows[p] + c);
-                        const __m256 v1 = _mm256_loadu_ps(vrows[p] + c + 8);
+                        const __m256 v0 = load_kv8(vrows[p], c, f16);
+                        const __m256 v1 = load_kv8(vrows[p], c + 8, f16);
                         for (int64_t g = 0; g < n4; g++) {
                             const __m256 w = _mm256_broadcast_ss(e[g] + p);
                             acc[2 * g] = _mm256_fmadd_ps(w, v0, acc[2 * g]);
@@ -357,7 +384,7 @@ static void attention_body(
                 for (; c < d; c++)
                     for (int64_t g = 0; g < n4; g++) {
                         float sum = 0.0f;
-                        for (int64_t p = 0; p < nk; p++) sum += e[g][p] * vrows[p][c];
+                        for (int64_t p = 0; p < nk; p++) sum += e[g][p] * load_kv1(vrows[p], c, f16);
                         SLOT(t, g0 + g)[ATTN_PART + c] = sum;
                     }
             }
@@ -386,14 +413,29 @@ static void attention_body(
     }
 }
 
-LOOM_EXPORT void loom_paged_attention(
-    const float *q, const int64_t *q_start, const float *k_cache, const float *v_cache,
+/* attention_body_t compiled once per cache element type. */
+static void attention_body(
+    const float *q, const int64_t *q_start, const void *k_cache, const void *v_cache,
     const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int64_t s,
     int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t window, float scale, float softcap,
-    float *scratch, int64_t max_len, float *out) {
+    float *scratch, int64_t max_len, float *out, int f16) {
+    if (f16)
+        attention_body_t(q, q_start, k_cache, v_cache, block_tables, max_blocks, seq_lens, s, h,
+                         hkv, d, bs, window, scale, softcap, scratch, max_len, out, 1);
+    else
+        attention_body_t(q, q_start, k_cache, v_cache, block_tables, max_blocks, seq_lens, s, h,
+                         hkv, d, bs, window, scale, softcap, scratch, max_len, out, 0);
+}
+
+/* kv_f16: the caches hold float16 (else float32). */
+LOOM_EXPORT void loom_paged_attention(
+    const float *q, const int64_t *q_start, const void *k_cache, const void *v_cache,
+    const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int64_t s,
+    int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t window, float scale, float softcap,
+    float *scratch, int64_t max_len, float *out, int64_t kv_f16) {
 #pragma omp parallel
     attention_body(q, q_start, k_cache, v_cache, block_tables, max_blocks, seq_lens, s, h, hkv,
-                   d, bs, window, scale, softcap, scratch, max_len, out);
+                   d, bs, window, scale, softcap, scratch, max_len, out, kv_f16 != 0);
 }
 
 /* out[r] = residual[r] + x[r] / rms(x[r]) * (w + offset), per row r of [rows, dim];
@@ -714,7 +756,7 @@ static void add_block_output(const LoomDecoderLayer *L, const float *norm, const
 
 /* One layer, called by every thread of the enclosing parallel region. */
 static void decode_layer_body(const LoomDecoderLayer *L, float *x, int64_t m, const float *cos_t,
-                              const float *sin_t, float *k_cache, float *v_cache,
+                              const float *sin_t, void *k_cache, void *v_cache, int f16,
                               const int64_t *slots, const int64_t *q_start, int64_t num_seqs,
                               const int64_t *block_tables, int64_t max_blocks,
                               const int64_t *seq_lens, int64_t block_size, int64_t max_len,
@@ -738,12 +780,13 @@ static void decode_layer_body(const LoomDecoderLayer *L, float *x, int64_t m, co
     rope_body(ws->k, m, L->kv_heads, d, cos_t, sin_t, ws->k_rot);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; r++) {
-        memcpy(k_cache + slots[r] * kd, ws->k_rot + r * kd, (size_t)kd * sizeof(float));
-        memcpy(v_cache + slots[r] * kd, ws->qkv + r * qkv_n + qd + kd, (size_t)kd * sizeof(float));
+        const int64_t at = slots[r] * kd * (f16 ? 2 : 4);
+        store_kv_row((char *)k_cache + at, ws->k_rot + r * kd, kd, f16);
+        store_kv_row((char *)v_cache + at, ws->qkv + r * qkv_n + qd + kd, kd, f16);
     }
     attention_body(ws->q_rot, q_start, k_cache, v_cache, block_tables, max_blocks, seq_lens,
                    num_seqs, L->heads, L->kv_heads, d, block_size, L->window, L->attn_scale,
-                   L->softcap, ws->scores, max_len, ws->attn);
+                   L->softcap, ws->scores, max_len, ws->attn, f16);
     linear_any_body(&L->o, ws->attn, m, ws->h, ws->xq, ws->xs);
     add_block_output(L, L->post_attn_norm, ws->h, x, m);
 
@@ -769,17 +812,17 @@ static void decode_layer_body(const LoomDecoderLayer *L, float *x, int64_t m, co
  * tokens, sequence i owning tokens [q_start[i], q_start[i + 1]), the last positions of its
  * seq_lens[i]. Token t goes to cache slot slots[t]; layer l rotates with cos_t[l]/sin_t[l]
  * [m, head_dim] and keeps its cache in k_caches[l]/v_caches[l] [blocks, block_size, kv_heads,
- * head_dim]. K/V of the new tokens are written first; attention then reads each context from
+ * head_dim], float32, or float16 when kv_f16. K/V of the new tokens are written first; attention then reads each context from
  * the paged cache (block_tables [num_seqs, max_blocks]); max_len >= every seq_len. Each layer
  * runs the kernels above in the order the modules call them. */
 LOOM_EXPORT void loom_decode_layers(const LoomDecoderLayer *layers, int64_t num_layers, float *x,
                                     int64_t m, const float *const *cos_t,
-                                    const float *const *sin_t, float *const *k_caches,
-                                    float *const *v_caches, const int64_t *slots,
+                                    const float *const *sin_t, void *const *k_caches,
+                                    void *const *v_caches, const int64_t *slots,
                                     const int64_t *q_start, int64_t num_seqs,
                                     const int64_t *block_tables, int64_t max_blocks,
                                     const int64_t *seq_lens, int64_t block_size,
-                                    int64_t max_len) {
+                                    int64_t max_len, int64_t kv_f16) {
     int64_t qkv_n = 0, qd = 0, kd = 0, hid = 0, inter = 0, max_k = 0, heads = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const LoomDecoderLayer *L = &layers[l];
@@ -812,7 +855,8 @@ LOOM_EXPORT void loom_decode_layers(const LoomDecoderLayer *layers, int64_t num_
     ws.xs = (float *)malloc((size_t)(m * (max_k / QBLOCK) + 1) * sizeof(float));
 #pragma omp parallel
     for (int64_t l = 0; l < num_layers; l++) {
-        decode_layer_body(&layers[l], x, m, cos_t[l], sin_t[l], k_caches[l], v_caches[l], slots,
+        decode_layer_body(&layers[l], x, m, cos_t[l], sin_t[l], k_caches[l], v_caches[l],
+                          kv_f16 != 0, slots,
                           q_start, num_seqs, block_tables, max_blocks, seq_lens, block_size,
                           max_len, &ws);
     }

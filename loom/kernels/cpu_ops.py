@@ -27,6 +27,10 @@ def use_cpu_kernels(x: torch.Tensor, *params: torch.Tensor) -> bool:
     )
 
 
+# Element types of a KV cache the attention kernels read (and the fused decoder writes).
+KV_CACHE_KERNEL_DTYPES = (torch.float32, torch.float16)
+
+
 def _lib() -> ctypes.CDLL:
     lib = load_library()
     if lib is None:
@@ -123,12 +127,14 @@ def paged_attention(
 
     q [T, H, D]; sequence i owns query rows [query_start_loc[i], query_start_loc[i + 1]), the
     last positions of its seq_lens[i]; their K/V are already in kv_cache [2, blocks,
-    block_size, Hkv, D] float32. block_tables [S, max_blocks] int64; `max_seq_len` >= every
-    seq_len. Returns [T, H, D].
+    block_size, Hkv, D] float32 or float16. block_tables [S, max_blocks] int64;
+    `max_seq_len` >= every seq_len. Returns [T, H, D].
     """
     _check(q, "q", torch.float32)
     _check(query_start_loc, "query_start_loc", torch.int64)
-    _check(kv_cache, "kv_cache", torch.float32)
+    if kv_cache.dtype not in KV_CACHE_KERNEL_DTYPES:
+        raise ValueError(f"kv_cache: {kv_cache.dtype} is not one of {KV_CACHE_KERNEL_DTYPES}")
+    _check(kv_cache, "kv_cache", kv_cache.dtype)
     _check(block_tables, "block_tables", torch.int64)
     _check(seq_lens, "seq_lens", torch.int64)
     t, h, d = q.shape
@@ -145,7 +151,7 @@ def paged_attention(
         q.data_ptr(), query_start_loc.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
         block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), s, h, hkv, d,
         block_size, window or 0, scale, softcap or 0.0, scratch.data_ptr(), max_seq_len,
-        out.data_ptr(),
+        out.data_ptr(), int(kv_cache.dtype == torch.float16),
     )
     return out
 

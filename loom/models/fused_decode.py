@@ -4,7 +4,7 @@ A decode step computes one token per sequence; in eager PyTorch its cost on a CP
 per-operation overhead (about 25 small ops per layer, each waking the thread pool). When
 every layer of a model has the supported shape (pre-norm or Gemma's sandwich norms, stacked
 q/k/v and gate/up projections, float32 or int8 weights, rotate-half RoPE, SiLU or
-tanh-GELU) and the KV cache is float32 on the CPU, `FusedDecoder` runs all layers in a
+tanh-GELU) and the KV cache is float32 or float16 on the CPU, `FusedDecoder` runs all layers in a
 single call into Loom's C kernels (one OpenMP parallel region for the whole step), with the
 same kernels the modules call one by one.
 
@@ -22,7 +22,12 @@ import torch
 from torch import nn
 
 from loom.attention import AttentionMetadata
-from loom.kernels import cpu_kernels_available, load_library, use_cpu_kernels
+from loom.kernels import (
+    KV_CACHE_KERNEL_DTYPES,
+    cpu_kernels_available,
+    load_library,
+    use_cpu_kernels,
+)
 from loom.models.layers import GatedMLP, Linear, RMSNorm, SelfAttention
 from loom.models.quant import Int8Linear
 
@@ -143,7 +148,7 @@ class FusedDecoder:
         self._fn = lib.loom_decode_layers
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         self._fn.argtypes = [
-            ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64,
+            ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64,
         ]
         self._fn.restype = None
         # Layers sharing a rotary spec share cos/sin tables (Gemma: local and global).
@@ -169,11 +174,12 @@ class FusedDecoder:
     def applies(hidden: torch.Tensor, md: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
         """True for a small step (at most FUSED_MAX_TOKENS tokens: decodes, short appends) on
         float32 CPU tensors with nothing for autograd (the decoder is built only over layers
-        whose parameters do not require gradients)."""
+        whose parameters do not require gradients), with float32 or float16 KV caches."""
         return (
             md.num_tokens <= FUSED_MAX_TOKENS
             and use_cpu_kernels(hidden)
-            and all(c.dtype == torch.float32 and c.is_contiguous() for c in kv_caches)
+            and len({c.dtype for c in kv_caches}) == 1
+            and all(c.dtype in KV_CACHE_KERNEL_DTYPES and c.is_contiguous() for c in kv_caches)
         )
 
     def _caches(self, kv_caches: list[torch.Tensor]) -> tuple[ctypes.Array, ctypes.Array]:
@@ -211,5 +217,6 @@ class FusedDecoder:
             ctypes.addressof(self._descs), n, x.data_ptr(), m, cos_ptrs, sin_ptrs, k_ptrs,
             v_ptrs, slots.data_ptr(), q_start.data_ptr(), md.num_seqs, tables.data_ptr(),
             tables.shape[1], seq_lens.data_ptr(), md.block_size, max(md.seq_lens_list),
+            int(kv_caches[0].dtype == torch.float16),
         )
         return x

@@ -36,17 +36,19 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         attention_backend: str = "auto",
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model_config = model_config
         self.model = model
         self.device = torch.device(device)
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype or dtype  # K/V are stored in this dtype
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.backend: AttentionBackend = get_attention_backend(attention_backend, device)
         self.kv_caches = allocate_kv_caches(
             model_config.num_layers, num_blocks, block_size,
-            model_config.num_kv_heads, model_config.head_dim, dtype, self.device,
+            model_config.num_kv_heads, model_config.head_dim, self.kv_cache_dtype, self.device,
         )
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -229,3 +229,34 @@ def test_request_that_cannot_fit_beside_pinned_sessions_fails_clearly(tiny_model
                                atol=ATOL, rtol=0)
     engine.close("pinned")
     assert engine.kv_pool_all_free
+
+
+def test_float16_kv_cache_session_equals_fresh_forward(tiny_models):
+    """kv_cache_dtype="float16": prefill and decode both attend over the rounded cache, so a
+    session that alternates equals a fresh pass over its tokens (up to K/V computed by
+    different kernels rounding differently) and stays near the float32 reference."""
+    folder, hf = tiny_models["gemma3"]
+    engine = make_engine(folder, max_num_batched_tokens=8, kv_cache_dtype="float16")
+    assert engine.runner.kv_caches[0].dtype == torch.float16
+    engine.add_request("s", prompt_ids(11), GREEDY, session=True)
+    settle(engine)
+    engine.prefill("s", prompt_ids(9, 10))
+    settle(engine)
+    engine.resume("s", GREEDY)
+    settle(engine)
+    tokens = list(engine.get_session("s").token_ids)
+    stored = engine.get_logits("s")
+    engine.add_request("fresh", tokens, session=True)
+    settle(engine)
+    scale = float(stored.abs().max())
+    torch.testing.assert_close(engine.get_logits("fresh"), stored, atol=1e-3 * scale, rtol=0)
+    torch.testing.assert_close(stored, hf_last_logits(hf, tokens), atol=0.02 * scale, rtol=0)
+    engine.close("s")
+    engine.close("fresh")
+    assert engine.num_recomputed_tokens == 0
+    assert engine.kv_pool_all_free
+
+
+def test_unknown_kv_cache_dtype_is_rejected(tiny_models):
+    with pytest.raises(InvalidRequestError, match="kv_cache_dtype 'int4'"):
+        make_engine(tiny_models["llama"][0], kv_cache_dtype="int4")

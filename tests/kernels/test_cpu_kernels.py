@@ -162,17 +162,20 @@ def test_argmax_logsumexp_matches_torch_and_takes_the_first_tie() -> None:
     torch.testing.assert_close(lse, x.logsumexp(dim=-1), atol=1e-5, rtol=1e-6)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("window", [None, 4, 300])
-def test_paged_attention_chunks_are_causal(window: int | None) -> None:
-    """Two sequences with several new tokens each (one spanning many parts of 128 keys)."""
+def test_paged_attention_chunks_are_causal(window: int | None, cache_dtype: torch.dtype) -> None:
+    """Two sequences with several new tokens each (one spanning many parts of 128 keys); a
+    float16 cache gives the float32 result of its own (rounded) values."""
     g = torch.Generator().manual_seed(8)
     block, heads, kv_heads, dim = 16, 4, 1, 32
-    cache = torch.randn(2, 40, block, kv_heads, dim, generator=g)
+    stored = torch.randn(2, 40, block, kv_heads, dim, generator=g).to(cache_dtype)
+    cache = stored.float()
     tables = torch.tensor([list(range(39, 19, -1)), list(range(0, 20))])
     seq_lens, q_lens = [300, 9], [5, 9]
     q = torch.randn(sum(q_lens), heads, dim, generator=g)
     starts = torch.tensor([0, 5, 14])
-    out = paged_attention(q, starts, cache, tables, torch.tensor(seq_lens), 300, 0.2, window,
+    out = paged_attention(q, starts, stored, tables, torch.tensor(seq_lens), 300, 0.2, window,
                           None)
     for i, (length, ql) in enumerate(zip(seq_lens, q_lens, strict=True)):
         keys = cache[0][tables[i]].reshape(-1, kv_heads, dim)[:length].repeat_interleave(4, 1)
@@ -187,3 +190,11 @@ def test_paged_attention_chunks_are_causal(window: int | None) -> None:
         scores = scores.masked_fill(~visible, float("-inf"))
         ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_rejects_other_cache_dtypes() -> None:
+    cache = torch.zeros(2, 4, 16, 1, 32, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16"):
+        paged_attention(torch.zeros(1, 4, 32), torch.tensor([0, 1]), cache,
+                        torch.zeros(1, 1, dtype=torch.int64), torch.tensor([1]), 1, 1.0, None,
+                        None)

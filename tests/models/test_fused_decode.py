@@ -63,6 +63,27 @@ def test_fused_decode_matches_module_path(tiny_model: TinyModel, quantization: s
         torch.testing.assert_close(f, m, atol=atol, rtol=2e-5)
 
 
+def test_fused_decode_reads_and_writes_float16_caches(tiny_model: TinyModel) -> None:
+    """kv_cache_dtype float16: the fused step stores K/V rounded as torch rounds them and
+    attends over the values the module path reads. (A last-bit difference upstream can move a
+    K/V element across a float16 rounding boundary: compared at 0.1% of the logit range; a
+    wrong layout or conversion is off by the whole range.) Both stay near float32 caches."""
+    config, model = build_model(tiny_model.path, torch.float32)
+    prompts = _prompts(config.vocab_size)
+
+    def runner(kv_dtype: torch.dtype) -> ModelRunner:
+        return ModelRunner(config, model, "cpu", torch.float32, 64, 4, kv_cache_dtype=kv_dtype)
+
+    half = runner(torch.float16)
+    fused = _decode_logits(half, prompts, 5, fused=True)
+    assert half.kv_caches[0].dtype == torch.float16
+    modules = _decode_logits(runner(torch.float16), prompts, 5, fused=False)
+    full = _decode_logits(runner(torch.float32), prompts, 5, fused=True)
+    for f, m, ref in zip(fused, modules, full, strict=True):
+        torch.testing.assert_close(f, m, atol=1e-3 * float(m.abs().max()), rtol=0.0)
+        torch.testing.assert_close(f, ref, atol=0.02 * float(ref.abs().max()), rtol=0.0)
+
+
 def test_fused_decode_is_batch_invariant(tiny_model: TinyModel) -> None:
     """A sequence's logits are bit-identical whether it decodes alone or with others."""
     config, model = build_model(tiny_model.path, torch.float32, quantization="w8a8")
