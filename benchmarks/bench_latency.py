@@ -109,7 +109,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="decode length (128)")
     parser.add_argument("--hf-dtypes", nargs="+", default=None,
                         help="HF dtypes ('same' = Loom's); default: same bfloat16 (quick: same)")
-    parser.add_argument("--no-int8", action="store_true")
+    parser.add_argument("--loom-modes", nargs="*", default=["int8", "w8a8", "w8a8+kv16"],
+                        help="Loom variants besides its dtype: quantization modes, '+kv16' for "
+                             "a float16 KV cache")
     args = parser.parse_args()
     if args.doc_only:
         return c.rerender(NAME, TITLE, render)
@@ -123,9 +125,8 @@ def main() -> None:
     runners: list[tuple[str, Callable[[], Runner | None]]] = [
         (f"loom {dtype}", lambda: loom_runner(engine)),
     ]
-    if not args.no_int8:
-        runners.append(("loom int8", lambda: _int8(args, "int8")))
-        runners.append(("loom w8a8", lambda: _int8(args, "w8a8")))
+    for mode in args.loom_modes:
+        runners.append((f"loom {mode}", lambda m=mode: _variant(args, m)))
     if not args.no_hf:
         default_dtypes = ["same"] if args.quick else ["same", "bfloat16"]
         for hf_dtype in dict.fromkeys(args.hf_dtypes or default_dtypes):
@@ -172,8 +173,8 @@ def main() -> None:
     c.finish(NAME, TITLE, result, render, args.no_doc)
 
 
-def _int8(args: Any, mode: str) -> Runner | None:
-    engine = c.try_int8_engine(args, mode)
+def _variant(args: Any, mode: str) -> Runner | None:
+    engine = c.try_variant_engine(args, mode)
     return None if engine is None else loom_runner(engine)
 
 

@@ -98,7 +98,7 @@ def evaluate(engine: Any, text_ids: list[int], prompts: list[list[int]], max_tok
 def main() -> None:
     """Run float32 and each quantised mode on the same text and prompts."""
     parser = c.base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--modes", nargs="+", default=["int8", "w8a8"])
+    parser.add_argument("--modes", nargs="+", default=["int8", "w8a8", "w8a8+kv16"])
     parser.add_argument("--max-tokens", type=int, default=None, help="greedy length (32)")
     args = parser.parse_args()
     if args.doc_only:
@@ -112,7 +112,7 @@ def main() -> None:
         if mode == "float32":
             engine = c.make_engine(args)
         else:
-            engine = c.try_int8_engine(args, mode)
+            engine = c.try_variant_engine(args, mode)
             if engine is None:
                 continue
         tok = engine.tokenizer
@@ -142,7 +142,8 @@ def render(result: dict[str, Any]) -> str:
         rows,
     )
     return (f"{table}\n\nint8: weight-only int8 (per-channel), float32 activations; w8a8: int8 "
-            "weights and activations rounded to int8 per block of 32 in the decode kernel.")
+            "weights and activations rounded to int8 per block of 32 in the decode kernel; "
+            "+kv16: the KV cache stored in float16.")
 
 
 if __name__ == "__main__":

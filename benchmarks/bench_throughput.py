@@ -116,8 +116,9 @@ def main() -> None:
     parser.add_argument("--hf-dtypes", nargs="+", default=["same"],
                         help="HF dtypes to run ('same' = Loom's dtype), e.g. same bfloat16")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--loom-modes", nargs="+", default=["default", "w8a8"],
-                        help="Loom variants: 'default' (its dtype) and quantization modes")
+    parser.add_argument("--loom-modes", nargs="+", default=["default", "w8a8", "w8a8+kv16"],
+                        help="Loom variants: 'default' (its dtype), quantization modes, "
+                             "'+kv16' for a float16 KV cache")
     args = parser.parse_args()
     if args.doc_only:
         return c.rerender(NAME, TITLE, render)
@@ -135,13 +136,12 @@ def main() -> None:
     skipped: list[str] = []
     dtype, work = None, []
     for mode in args.loom_modes:
-        quantization = None if mode == "default" else mode
         llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
-                  kv_cache_memory_gb=2.0, quantization=quantization)
+                  kv_cache_memory_gb=2.0, **c.loom_mode_kwargs(mode))
         if dtype is None:
             dtype = llm.engine.config.dtype
             work = make_workload(llm.tokenizer, args)
-        label = f"loom {dtype}" if quantization is None else f"loom {mode}"
+        label = f"loom {dtype}" if mode == "default" else f"loom {mode}"
         c.log(f"{label}: {len(work)} prompts")
         results[label] = run_loom(llm, work)
         del llm

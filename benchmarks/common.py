@@ -394,12 +394,25 @@ def make_engine(args: argparse.Namespace, **kwargs: Any) -> Any:
     return LLMEngine.from_engine_args(engine_args)
 
 
-def try_int8_engine(
+def loom_mode_kwargs(mode: str) -> dict[str, Any]:
+    """Engine arguments of a Loom variant name: "default", a quantization ("int8", "w8a8"),
+    optionally "+kv16" for a float16 KV cache (e.g. "w8a8+kv16")."""
+    kwargs: dict[str, Any] = {}
+    for part in mode.split("+"):
+        if part == "kv16":
+            kwargs["kv_cache_dtype"] = "float16"
+        elif part != "default":
+            kwargs["quantization"] = part
+    return kwargs
+
+
+def try_variant_engine(
     args: argparse.Namespace, mode: str = "int8", **kwargs: Any
 ) -> Any | None:
-    """An engine quantised as `mode` ("int8" or "w8a8") if accepted, else None (printed)."""
+    """An engine for a Loom variant (see `loom_mode_kwargs`: "int8", "w8a8", "w8a8+kv16")
+    if accepted, else None (printed)."""
     try:
-        return make_engine(args, quantization=mode, **kwargs)
+        return make_engine(args, **loom_mode_kwargs(mode), **kwargs)
     except Exception as exc:
         skip(f"loom {mode}: skipped (quantization={mode!r} not accepted: {exc})")
         return None
