@@ -151,9 +151,20 @@ class FusedDecoder:
             ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64,
         ]
         self._fn.restype = None
-        # Layers sharing a rotary spec share cos/sin tables (Gemma: local and global).
+        # Layers sharing a rotary spec share cos/sin tables (Gemma: local and global), written
+        # each step into buffers whose addresses the C call gets (pointer arrays built once).
         self._rope_keys = [(layer.self_attn.rotary.spec, layer.self_attn.rotary.head_dim)
                            for layer in layers]
+        self._rope: dict[object, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        for layer, key in zip(layers, self._rope_keys, strict=True):
+            if key not in self._rope:
+                table = torch.empty(2, FUSED_MAX_TOKENS, key[1], dtype=torch.float32)
+                self._rope[key] = (layer.self_attn.rotary, table[0], table[1])
+        n = len(layers)
+        self._cos_ptrs = (ctypes.c_void_p * n)(
+            *[self._rope[k][1].data_ptr() for k in self._rope_keys])
+        self._sin_ptrs = (ctypes.c_void_p * n)(
+            *[self._rope[k][2].data_ptr() for k in self._rope_keys])
         self._cache_ptrs: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
 
     @classmethod
@@ -204,18 +215,13 @@ class FusedDecoder:
         tables, seq_lens = md.block_tables.contiguous(), md.seq_lens.contiguous()
         q_start = md.query_start_loc.contiguous()
         slots = md.slot_mapping.contiguous()
-        rope: dict[object, tuple[torch.Tensor, torch.Tensor]] = {}
-        for layer, key in zip(self.layers, self._rope_keys, strict=True):
-            if key not in rope:
-                cos, sin = layer.self_attn.rotary.cos_sin(positions, torch.float32)
-                rope[key] = (cos.reshape(m, -1).contiguous(), sin.reshape(m, -1).contiguous())
+        for rotary, cos, sin in self._rope.values():
+            rotary.cos_sin_into(positions, cos[:m], sin[:m])
         n = len(self.layers)
-        cos_ptrs = (ctypes.c_void_p * n)(*[rope[k][0].data_ptr() for k in self._rope_keys])
-        sin_ptrs = (ctypes.c_void_p * n)(*[rope[k][1].data_ptr() for k in self._rope_keys])
         k_ptrs, v_ptrs = self._caches(kv_caches)
         self._fn(
-            ctypes.addressof(self._descs), n, x.data_ptr(), m, cos_ptrs, sin_ptrs, k_ptrs,
-            v_ptrs, slots.data_ptr(), q_start.data_ptr(), md.num_seqs, tables.data_ptr(),
+            ctypes.addressof(self._descs), n, x.data_ptr(), m, self._cos_ptrs, self._sin_ptrs,
+            k_ptrs, v_ptrs, slots.data_ptr(), q_start.data_ptr(), md.num_seqs, tables.data_ptr(),
             tables.shape[1], seq_lens.data_ptr(), md.block_size, max(md.seq_lens_list),
             int(kv_caches[0].dtype == torch.float16),
         )

@@ -104,6 +104,13 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def cos_sin_into(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Write the float32 tables [T, D] of `cos_sin` into `cos` and `sin` (same values)."""
+        freqs = positions.float()[:, None] * self._inv_freq.to(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        torch.cos(emb, out=cos)
+        torch.sin(emb, out=sin)
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
