@@ -41,7 +41,7 @@ def plot_latency(plt: Any, result: dict[str, Any]) -> Path:
         ax.set_xticks([j + width * (len(engines) - 1) / 2 for j in range(len(lens))])
         ax.set_xticklabels([f"{n} prompt tokens" for n in lens])
         ax.set_title(title, fontsize=10)
-    axes[1].legend(fontsize=8)
+    axes[0].legend(fontsize=8, loc="upper left")  # the short 512-token bars leave room there
     fig.suptitle(f"Latency — {_subtitle(result)}", fontsize=10)
     return _save(plt, fig, "bench_latency.png")
 
