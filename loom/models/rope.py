@@ -96,18 +96,21 @@ class RotaryEmbedding(nn.Module):
         # Plain attribute (not a buffer): survives meta-device construction and weight loads.
         self._inv_freq = inverse_frequencies(spec, head_dim)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """cos/sin tables [T, 1, D] for absolute positions, computed in float32."""
+    def _angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """Float32 rotation angles [T, D] (each frequency twice, rotate-half order)."""
         if self._inv_freq.device != positions.device:
             self._inv_freq = self._inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self._inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return torch.cat((freqs, freqs), dim=-1)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos/sin tables [T, 1, D] for absolute positions, computed in float32."""
+        emb = self._angles(positions)[:, None, :]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def cos_sin_into(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Write the float32 tables [T, D] of `cos_sin` into `cos` and `sin` (same values)."""
-        freqs = positions.float()[:, None] * self._inv_freq.to(positions.device)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = self._angles(positions)
         torch.cos(emb, out=cos)
         torch.sin(emb, out=sin)
 
