@@ -384,7 +384,8 @@ static inline __attribute__((always_inline)) void attention_body_t(
                 for (; c < d; c++)
                     for (int64_t g = 0; g < n4; g++) {
                         float sum = 0.0f;
-                        for (int64_t p = 0; p < nk; p++) sum += e[g][p] * load_kv1(vrows[p], c, f16);
+                        for (int64_t p = 0; p < nk; p++)
+                            sum += e[g][p] * load_kv1(vrows[p], c, f16);
                         SLOT(t, g0 + g)[ATTN_PART + c] = sum;
                     }
             }
@@ -812,9 +813,10 @@ static void decode_layer_body(const LoomDecoderLayer *L, float *x, int64_t m, co
  * tokens, sequence i owning tokens [q_start[i], q_start[i + 1]), the last positions of its
  * seq_lens[i]. Token t goes to cache slot slots[t]; layer l rotates with cos_t[l]/sin_t[l]
  * [m, head_dim] and keeps its cache in k_caches[l]/v_caches[l] [blocks, block_size, kv_heads,
- * head_dim], float32, or float16 when kv_f16. K/V of the new tokens are written first; attention then reads each context from
- * the paged cache (block_tables [num_seqs, max_blocks]); max_len >= every seq_len. Each layer
- * runs the kernels above in the order the modules call them. */
+ * head_dim] (float32, or float16 when kv_f16). K/V of the new tokens are written first;
+ * attention then reads each context from the paged cache (block_tables [num_seqs,
+ * max_blocks]); max_len >= every seq_len. Each layer runs the kernels above in the order the
+ * modules call them. */
 LOOM_EXPORT void loom_decode_layers(const LoomDecoderLayer *layers, int64_t num_layers, float *x,
                                     int64_t m, const float *const *cos_t,
                                     const float *const *sin_t, void *const *k_caches,
