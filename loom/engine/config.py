@@ -55,9 +55,9 @@ class EngineConfig:
     seed: int
     session_ttl_s: float | None
     quantization: str | None
+    kv_cache_dtype: str  # resolved: the dtype name the KV pool is stored in
     special_kwargs: Any = None
     hooks: tuple[Any, ...] = ()
-    kv_cache_dtype: str = "float32"
 
     @property
     def block_size(self) -> int:
