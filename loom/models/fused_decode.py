@@ -153,18 +153,18 @@ class FusedDecoder:
         self._fn.restype = None
         # Layers sharing a rotary spec share cos/sin tables (Gemma: local and global), written
         # each step into buffers whose addresses the C call gets (pointer arrays built once).
-        self._rope_keys = [(layer.self_attn.rotary.spec, layer.self_attn.rotary.head_dim)
-                           for layer in layers]
+        rope_keys = [(layer.self_attn.rotary.spec, layer.self_attn.rotary.head_dim)
+                     for layer in layers]
         self._rope: dict[object, tuple[Any, torch.Tensor, torch.Tensor]] = {}
-        for layer, key in zip(layers, self._rope_keys, strict=True):
+        for layer, key in zip(layers, rope_keys, strict=True):
             if key not in self._rope:
                 table = torch.empty(2, FUSED_MAX_TOKENS, key[1], dtype=torch.float32)
                 self._rope[key] = (layer.self_attn.rotary, table[0], table[1])
         n = len(layers)
         self._cos_ptrs = (ctypes.c_void_p * n)(
-            *[self._rope[k][1].data_ptr() for k in self._rope_keys])
+            *[self._rope[k][1].data_ptr() for k in rope_keys])
         self._sin_ptrs = (ctypes.c_void_p * n)(
-            *[self._rope[k][2].data_ptr() for k in self._rope_keys])
+            *[self._rope[k][2].data_ptr() for k in rope_keys])
         self._cache_ptrs: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
 
     @classmethod
