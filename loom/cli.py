@@ -25,6 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--quantization", default=None, choices=[None, "int8", "w8a8"])
     gen.add_argument("--kv-cache-dtype", default="auto",
                      help="auto (the model dtype), float16, bfloat16 or float32")
+    gen.add_argument("--num-speculative-tokens", type=int, default=0,
+                     help="draft this many tokens per step by n-gram prompt lookup (0: off)")
     sub.add_parser("demo", help="run the live-session demo (madlibs)")
     return parser
 
@@ -50,6 +52,10 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(
         model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        speculative_config=(
+            {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
+            if args.num_speculative_tokens > 0 else None
+        ),
     )
     params = SamplingParams(
         temperature=args.temperature,

@@ -60,6 +60,11 @@ class Request:
     frontier forward by computing tokens; `truncate` (rewind) and preemption move it back.
     `sample_when_computed` says whether reaching the end of `token_ids` produces a sampled token
     (generation) or only stores the last logits (a prefill into a paused session).
+
+    Speculative decoding appends draft tokens tentatively: the last `num_draft_tokens` of
+    `token_ids` are guesses, all uncomputed, scheduled with the token before them so one step
+    yields logits for each; the engine keeps the accepted ones and truncates the rest. Drafts
+    exist only inside an engine step (proposed before `schedule`, settled after the forward).
     """
 
     request_id: str
@@ -73,6 +78,8 @@ class Request:
     last_used: float = 0.0
     # Highest frontier ever reached: tokens recomputed below it are counted as recompute.
     max_computed_tokens: int = 0
+    # Tentative tokens at the end of token_ids (speculative decoding); 0 outside a step.
+    num_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -97,8 +104,33 @@ class Request:
         """Append tokens after all known ones; they become uncomputed."""
         self.token_ids.extend(token_ids)
 
+    def add_draft_tokens(self, token_ids: list[int]) -> None:
+        """Append tentative tokens after every known one (see the class docstring)."""
+        self.token_ids.extend(token_ids)
+        self.num_draft_tokens += len(token_ids)
+
+    def discard_draft_tokens(self, count: int | None = None) -> None:
+        """Drop the last `count` draft tokens (all of them by default); they were never computed."""
+        count = self.num_draft_tokens if count is None else min(count, self.num_draft_tokens)
+        if count > 0:
+            self.truncate(len(self.token_ids) - count)
+
+    def advance_frontier(self, num_tokens: int) -> None:
+        """Count the first `num_tokens` tokens as computed: tokens whose K/V a step already
+        wrote at their positions (a verified draft that was re-appended as sampled)."""
+        if not self.num_computed_tokens <= num_tokens <= len(self.token_ids):
+            raise ValueError(
+                f"request {self.request_id}: frontier {self.num_computed_tokens} cannot move to "
+                f"{num_tokens} of {len(self.token_ids)} tokens"
+            )
+        self.num_computed_tokens = num_tokens
+        self.max_computed_tokens = max(self.max_computed_tokens, num_tokens)
+
     def truncate(self, num_tokens: int) -> None:
-        """Keep only the first `num_tokens` tokens; the frontier follows if it was beyond."""
+        """Keep only the first `num_tokens` tokens; the frontier follows if it was beyond.
+
+        Drafts are the tail, so they go first."""
+        self.num_draft_tokens = max(0, self.num_draft_tokens - (len(self.token_ids) - num_tokens))
         del self.token_ids[num_tokens:]
         self.num_computed_tokens = min(self.num_computed_tokens, num_tokens)
         self.max_computed_tokens = min(self.max_computed_tokens, num_tokens)

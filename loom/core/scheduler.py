@@ -108,18 +108,19 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
 
-        # Decodes (one uncomputed token) first, then longer ranges; order is otherwise stable.
-        queue = sorted(self.running, key=lambda r: r.num_uncomputed_tokens != 1)
+        # Decodes (one uncomputed token, plus any drafts) first, then longer ranges; the
+        # order is otherwise stable.
+        queue = sorted(
+            self.running, key=lambda r: r.num_uncomputed_tokens - r.num_draft_tokens != 1
+        )
         for request in queue:
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_uncomputed_tokens, budget)
+            num_new = self._reserve(request, budget, scheduled, out)
             if num_new == 0:
-                continue
-            if not self._reserve(request, num_new, scheduled, out):
-                continue  # the request preempted itself
+                continue  # nothing to do, or the request preempted itself
             out.chunks.append(self._chunk(request, num_new, out))
             scheduled.add(request.request_id)
             budget -= num_new
@@ -136,6 +137,10 @@ class Scheduler:
             scheduled.add(request.request_id)
             budget -= num_new
 
+        # Drafts live only in scheduled chunks (preempted requests dropped theirs already).
+        for request in self.running:
+            if request.num_draft_tokens and request.request_id not in scheduled:
+                request.discard_draft_tokens()
         out.block_copies = self.kv.take_pending_copies()
         return out
 
@@ -149,19 +154,33 @@ class Scheduler:
             start_pos=start,
             block_ids=self.kv.block_ids(request.request_id),
             needs_logits=end == request.num_tokens,
+            num_draft_tokens=request.num_draft_tokens,  # a chunk covers all drafts or none
         )
 
     def _reserve(
-        self, request: Request, num_new: int, scheduled: set[str], out: SchedulerOutput
-    ) -> bool:
-        """Allocate blocks for `num_new` more tokens, preempting others until it fits."""
-        total = request.num_computed_tokens + num_new
-        while not self.kv.allocate_slots(request.request_id, total):
+        self, request: Request, budget: int, scheduled: set[str], out: SchedulerOutput
+    ) -> int:
+        """Allocate blocks for the request's next chunk, at most `budget` tokens, preempting
+        others until it fits; returns the chunk's length (0: it preempted itself).
+
+        Drafts are optional work: those the budget cannot take whole are dropped, and all of
+        them are dropped rather than preempting anyone for their blocks."""
+        excess = request.num_uncomputed_tokens - budget
+        if excess > 0:
+            request.discard_draft_tokens(excess)
+        num_new = min(request.num_uncomputed_tokens, budget)
+        while not self.kv.allocate_slots(
+            request.request_id, request.num_computed_tokens + num_new
+        ):
+            if request.num_draft_tokens:
+                num_new -= request.num_draft_tokens
+                request.discard_draft_tokens()
+                continue
             victim = self._pick_victim(request, scheduled)
             self._preempt(victim, out)
             if victim is request:
-                return False
-        return True
+                return 0
+        return num_new
 
     def _admit(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         """Allocate for a waiting request, evicting idle sessions and newer waiting requests'
@@ -201,6 +220,7 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         """Drop the victim's K/V; it recomputes everything when scheduled again."""
+        victim.discard_draft_tokens()
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
         self.num_preemptions += 1

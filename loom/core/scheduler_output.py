@@ -16,6 +16,10 @@ class ScheduledChunk:
 
     Attention for the chunk reads K/V of positions [0, end) through `block_ids`, whose
     blocks cover at least `end` slots. Slot of position p: block_ids[p // B] * B + p % B.
+
+    A chunk that reaches the end of its request's tokens needs logits: for its last token,
+    and with speculative drafts (always the chunk's last `num_draft_tokens` tokens) for the
+    token before them and each of them, `num_logits` rows in position order.
     """
 
     request_id: str
@@ -23,6 +27,12 @@ class ScheduledChunk:
     start_pos: int
     block_ids: list[int]
     needs_logits: bool
+    num_draft_tokens: int = 0
+
+    @property
+    def num_logits(self) -> int:
+        """Logits rows this chunk yields: 0, or 1 plus one per draft token."""
+        return 1 + self.num_draft_tokens if self.needs_logits else 0
 
     @property
     def end_pos(self) -> int:

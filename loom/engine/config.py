@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.core.scheduler import SchedulerConfig
+from loom.spec_decode import SpeculativeConfig
 
 
 @dataclass
@@ -29,6 +30,9 @@ class EngineArgs:
     # "auto": the model dtype; "float16" / "bfloat16" halve a float32 model's KV memory and
     # the bytes decode attention reads (CPU kernels read float16 natively).
     kv_cache_dtype: str = "auto"
+    # Speculative decoding, vLLM's form: {"method": "ngram", "num_speculative_tokens": 4,
+    # "prompt_lookup_min": 2, "prompt_lookup_max": 4} (see loom.spec_decode.SpeculativeConfig).
+    speculative_config: dict[str, Any] | None = None
     special_kwargs: Any = None  # loom.engine.promise_sync.SpecialKwargs
     hooks: list[Any] = field(default_factory=list)  # loom.engine.hooks.SequenceHook objects
 
@@ -56,6 +60,7 @@ class EngineConfig:
     session_ttl_s: float | None
     quantization: str | None
     kv_cache_dtype: str  # resolved: the dtype name the KV pool is stored in
+    speculative: SpeculativeConfig | None  # None: no speculative decoding
     special_kwargs: Any = None
     hooks: tuple[Any, ...] = ()
 

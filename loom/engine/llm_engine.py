@@ -18,6 +18,7 @@ from loom.engine.promise_sync import PromiseSyncHook
 from loom.engine.resolve import build_engine_parts
 from loom.engine.sequence import SequenceState
 from loom.engine.session_ops import SessionOps
+from loom.engine.speculation import Speculator, kept_tokens
 from loom.engine.stop_conditions import check_stop
 from loom.engine.tree_ops import TreeOps
 from loom.errors import (
@@ -28,7 +29,8 @@ from loom.errors import (
     UnknownRequestError,
 )
 from loom.runner.model_runner import ModelRunner
-from loom.sample import Sampler, SamplingRow
+from loom.sample import Sampler, SamplerOutput, SamplingRow, is_greedy
+from loom.sample.draw import skip_uniforms
 from loom.sampling_params import SamplingParams
 from loom.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -48,6 +50,7 @@ class LLMEngine(SessionOps, TreeOps):
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(config.scheduler)
         self.sampler = Sampler()
+        self.speculator = Speculator(config.speculative) if config.speculative else None
         self.eos_token_ids: set[int] = set(tokenizer.eos_token_ids) | set(
             runner.model_config.eos_token_ids
         )
@@ -187,6 +190,7 @@ class LLMEngine(SessionOps, TreeOps):
         self._expire_idle_sessions()
         reported = [self._group_output(g) for g in self._groups_to_report if g in self._groups]
         self._groups_to_report.clear()
+        self._propose_drafts()
         sched_out = self.scheduler.schedule()
         self.last_scheduler_output = sched_out
         if sched_out.is_empty:
@@ -201,65 +205,130 @@ class LLMEngine(SessionOps, TreeOps):
             self._run_pending_calls_inline()
         return outputs
 
+    def _propose_drafts(self) -> None:
+        """Speculative decoding: give decoding sequences draft tokens for this step."""
+        running = self.scheduler.running
+        if self.speculator is None or not self.speculator.enabled_for(len(running)):
+            return
+        for request in running:
+            self.speculator.propose(self._seqs[request.request_id], self.config.max_model_len)
+
     def _process_logits(
         self, sched_out: SchedulerOutput, logits: torch.Tensor
     ) -> list[RequestOutput]:
         """Store logits, sample the requests that generate, apply stop checks, build outputs."""
         touched: dict[str, None] = {}
-        to_sample: list[tuple[SequenceState, int]] = []
+        to_sample: list[SequenceState] = []
+        drafts: list[list[int]] = []
+        picked: list[int] = []
         row = 0
         for chunk in sched_out.chunks:
             if not chunk.needs_logits:
                 continue
             seq = self._seqs[chunk.request_id]
-            if seq.is_session:
-                seq.last_logits = logits[row].clone()
             if seq.request.sample_when_computed:
-                to_sample.append((seq, row))
+                to_sample.append(seq)
+                drafts.append(chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens :])
+                picked.extend(range(row, row + chunk.num_logits))
             else:
+                if seq.is_session:
+                    seq.last_logits = logits[row].clone()
                 self.scheduler.park(seq.request, RequestStatus.PAUSED)
-                touched[seq.group_id] = None
-            row += 1
+            touched[seq.group_id] = None
+            row += chunk.num_logits
         if to_sample:
-            picked = [r for _, r in to_sample]
             if picked != list(range(logits.shape[0])):  # else every row, in order: no copy
-                rows = torch.tensor(picked, device=logits.device)
-                logits = logits.index_select(0, rows)
-            self._sample_and_append([s for s, _ in to_sample], logits)
-            for seq, _ in to_sample:
-                touched[seq.group_id] = None
+                logits = logits.index_select(0, torch.tensor(picked, device=logits.device))
+            self._sample_and_append(to_sample, logits, drafts)
         return [self._group_output(rid) for rid in touched]
 
-    def _sample_and_append(self, seqs: list[SequenceState], logits: torch.Tensor) -> None:
-        """Sample one token for each sequence from its logits row and advance it."""
-        rows = [
-            SamplingRow(
-                params=seq.params,
-                # Copying the prompt costs O(context): only for the rows that read it.
-                prompt_token_ids=seq.prompt_token_ids if _reads_prompt(seq.params) else [],
-                output_token_ids=seq.segment_token_ids,
-                generator=seq.generator,
-                eos_token_ids=self.eos_token_ids,
-            )
-            for seq in seqs
+    def _sample_and_append(
+        self,
+        seqs: list[SequenceState],
+        logits: torch.Tensor,
+        drafts: list[list[int]] | None = None,
+    ) -> None:
+        """Sample each sequence's next token(s) and advance it.
+
+        Sequence i owns 1 + len(drafts[i]) consecutive logits rows: the row after its last
+        token, then one after each draft (speculative decoding, see `engine/speculation.py`).
+        """
+        drafts = drafts or [[] for _ in seqs]
+        rows: list[SamplingRow] = []
+        for seq, draft in zip(seqs, drafts, strict=True):
+            # Copying the prompt costs O(context): only for the rows that read it.
+            prompt = seq.prompt_token_ids if _reads_prompt(seq.params) else []
+            for i in range(len(draft) + 1):
+                history = seq.segment_token_ids + draft[:i] if i else seq.segment_token_ids
+                rows.append(
+                    SamplingRow(seq.params, prompt, history, seq.generator, self.eos_token_ids)
+                )
+        # A drafted sequence's generator draws once per row; rewound to the kept rows below.
+        saved = [
+            s.generator.get_state() if d and s.generator is not None and not is_greedy(s.params)
+            else None
+            for s, d in zip(seqs, drafts, strict=True)
         ]
         result = self.sampler(logits, rows)
-        for i, seq in enumerate(seqs):
-            token_id = result.token_ids[i]
-            top = result.top_logprobs[i] if result.top_logprobs else None
-            seq.request.append_tokens([token_id])
+        first_row = 0
+        for seq, draft, state in zip(seqs, drafts, saved, strict=True):
+            num_rows = len(draft) + 1
+            tokens = kept_tokens(result.token_ids[first_row : first_row + num_rows], draft)
+            used = self._advance(seq, tokens, len(draft), logits, result, first_row)
+            if draft and self.speculator is not None:
+                self.speculator.observe(seq, len(draft), len(tokens) - 1)
+            if state is not None and used < num_rows:
+                seq.generator.set_state(state)
+                skip_uniforms(seq.generator, used)
+            if draft and seq.request_id in self.scheduler.requests:
+                # Blocks that only held rejected drafts go back to the pool.
+                self.scheduler.truncate(seq.request, seq.request.num_tokens)
+            first_row += num_rows
+
+    def _advance(
+        self,
+        seq: SequenceState,
+        tokens: list[int],
+        num_drafts: int,
+        logits: torch.Tensor,
+        result: SamplerOutput,
+        first_row: int,
+    ) -> int:
+        """Append sampled tokens one by one (hooks, detokenizer, stop checks) until the
+        segment stops or the sequence blocks; returns how many were taken.
+
+        While token j is handled the request reads exactly as if plain decoding had just
+        sampled it: `... p t0 .. t(j-1) | tj` with tj uncomputed; t0 .. t(j-1) equal the
+        drafts d1 .. dj, whose K/V this step already wrote.
+        """
+        request = seq.request
+        first = request.num_tokens - num_drafts  # tokens up to p, the one before the drafts
+        if num_drafts:
+            request.truncate(first)
+        for j, token_id in enumerate(tokens):
+            if j:
+                request.advance_frontier(first + j)
+            request.append_tokens([token_id])
+            if seq.is_session:
+                seq.last_logits = logits[first_row + j].clone()
             for hook in self.hooks:
                 hook.on_token(self.hook_context, seq.request_id, token_id)
-            seq.add_generated(token_id, result.logprobs[i], dict(top) if top else None)
+            top = result.top_logprobs[first_row + j]
+            seq.add_generated(token_id, result.logprobs[first_row + j], dict(top) if top else None)
             if seq.finish_requested:
                 seq.finish_reason, seq.stop_reason = "stop", token_id
                 self._end_segment(seq, RequestStatus.FINISHED_STOPPED)
-                continue
+                return j + 1
             status = check_stop(seq, token_id, self.eos_token_ids, self.config.max_model_len)
             if status is not None:
                 self._end_segment(seq, status)
-            elif seq.blocked and not seq.request.is_finished:
-                self.scheduler.park(seq.request, RequestStatus.BLOCKED)
+                return j + 1
+            if seq.blocked and not request.is_finished:
+                self.scheduler.park(request, RequestStatus.BLOCKED)
+                return j + 1
+            if request.is_finished:
+                return j + 1
+        return len(tokens)
 
     def _fail_unschedulable(self) -> list[RequestOutput]:
         """Nothing runs and the head of the queue cannot get blocks: the rest of the pool is

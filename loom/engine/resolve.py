@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -14,6 +15,7 @@ from loom.errors import InvalidRequestError
 from loom.loader.resolve import resolve_model_path
 from loom.runner.loading import QUANTIZATIONS, build_model
 from loom.runner.model_runner import ModelRunner, kv_cache_bytes_per_block
+from loom.spec_decode import SpeculativeConfig
 from loom.tokenizer import Tokenizer, load_tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -72,6 +74,20 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
     return name
 
 
+def resolve_speculative_config(
+    value: dict[str, Any] | SpeculativeConfig | None,
+) -> SpeculativeConfig | None:
+    """`speculative_config` as given (a dict with vLLM's keys, or the dataclass), validated."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if not isinstance(value, dict):
+        raise InvalidRequestError(
+            f"speculative_config must be a dict such as {{'method': 'ngram', "
+            f"'num_speculative_tokens': 4}}, got {type(value).__name__}"
+        )
+    return SpeculativeConfig.from_dict(value)
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype for a resolved dtype name."""
     return _DTYPES[name]
@@ -88,6 +104,7 @@ def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tok
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    speculative = resolve_speculative_config(args.speculative_config)
     if args.quantization not in (None, *QUANTIZATIONS):
         raise InvalidRequestError(
             f"unsupported quantization {args.quantization!r}; choose one of {QUANTIZATIONS}"
@@ -126,6 +143,7 @@ def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tok
         special_kwargs=args.special_kwargs,
         hooks=tuple(args.hooks),
         kv_cache_dtype=kv_dtype,
+        speculative=speculative,
     )
     assert cdiv(max_model_len, args.block_size) <= num_blocks
     runner = ModelRunner(

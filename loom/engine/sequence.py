@@ -54,6 +54,8 @@ class SequenceState:
     all_children: list[str] = field(default_factory=list)
     blocked: bool = False
     finish_requested: bool = False
+    # Speculative decoding: most drafts to propose next (None: the configured number).
+    draft_limit: int | None = None
 
     @property
     def request_id(self) -> str:

@@ -259,7 +259,7 @@ LOOM_EXPORT int64_t loom_attention_scratch_floats(int64_t tokens, int64_t h, int
  *   window     > 0: a query at position t sees keys in (t - window, t]; 0: all keys <= t
  *   softcap    > 0: scores -> softcap * tanh(scores / softcap); 0: off
  *   scratch    loom_attention_scratch_floats(tokens, h, d, max_len) floats
- *   max_len    >= seq_lens[i] - (first key any query of sequence i sees), for every i
+ *   max_len    >= seq_lens[i] for every i (bounds the parts of ATTN_PART keys)
  *   out        [tokens, h, d]
  * Query head j reads kv head j / (h / hkv). Work items are (sequence, kv head, head slice,
  * part of ATTN_PART keys): each key and value vector is read once per item and used by every
@@ -286,8 +286,11 @@ static inline __attribute__((always_inline)) void attention_body_t(
                                ? group - slice * ATTN_MAX_GROUP : ATTN_MAX_GROUP;
         const int64_t t0 = q_start[seq], ql = q_start[seq + 1] - t0;
         const int64_t len = seq_lens[seq], first_pos = len - ql;
+        /* Parts start at multiples of ATTN_PART, whatever the chunk: a query's keys are split
+         * (and summed) the same way alone or among other queries of its sequence, so a
+         * position's result does not depend on the chunk it is computed in. */
         const int64_t lo = (window > 0 && first_pos - window + 1 > 0) ? first_pos - window + 1 : 0;
-        const int64_t k0 = lo + part * ATTN_PART;
+        const int64_t k0 = lo / ATTN_PART * ATTN_PART + part * ATTN_PART;
         const int64_t k1 = k0 + ATTN_PART < len ? k0 + ATTN_PART : len;
         const int64_t *table = block_tables + seq * max_blocks;
         const int64_t nk = k1 - k0;
@@ -329,7 +332,10 @@ static inline __attribute__((always_inline)) void attention_body_t(
                 }
             }
         }
-        /* Softmax numerators exp(score - max) in place (masked keys: exactly 0). */
+        /* Softmax numerators exp(score - max) in place (masked keys: exactly 0). The scores
+         * are padded with masked ones to a multiple of 8 so the sum has one shape (8 lanes,
+         * then hsum) for any nk: zeros past a query's last key do not change it. */
+        const int64_t nk8 = (nk + 7) / 8 * 8; /* <= ATTN_PART */
         for (int64_t t = 0; t < ql; t++)
             for (int64_t g = 0; g < ng; g++) {
                 float *sl = SLOT(t, g);
@@ -338,22 +344,17 @@ static inline __attribute__((always_inline)) void attention_body_t(
                     memset(sl, 0, (size_t)nk * sizeof(float));
                     continue;
                 }
+                for (int64_t p = nk; p < nk8; p++) sl[p] = -INFINITY;
                 const __m256 vmx = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-INFINITY);
                 __m256 acc = _mm256_setzero_ps();
-                int64_t p = 0;
-                for (; p + 8 <= nk; p += 8) {
+                for (int64_t p = 0; p < nk8; p += 8) {
                     const __m256 s8 = _mm256_loadu_ps(sl + p);
                     const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(s8, vmx)),
                                                    _mm256_cmp_ps(s8, ninf, _CMP_NEQ_OQ));
                     _mm256_storeu_ps(sl + p, e);
                     acc = _mm256_add_ps(acc, e);
                 }
-                float total = hsum256(acc);
-                for (; p < nk; p++) {
-                    sl[p] = sl[p] == -INFINITY ? 0.0f : expf(sl[p] - mx);
-                    total += sl[p];
-                }
-                sl[ATTN_PART + d + 1] = total;
+                sl[ATTN_PART + d + 1] = hsum256(acc);
             }
         /* Values: out[t, g] = sum_p e[t, g, p] v[p], up to four heads at a time with the
          * 16-float chunk of each head's output in registers over all keys of the part. */

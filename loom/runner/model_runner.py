@@ -81,7 +81,8 @@ class ModelRunner:
         )
 
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Run the chunks; float32 logits [N, V], one row per chunk with needs_logits, in order."""
+        """Run the chunks; float32 logits [N, V]: `chunk.num_logits` rows per chunk (its last
+        token, or the token before its drafts and each draft), in chunk order."""
         vocab = self.model_config.vocab_size
         if not chunks:
             return torch.empty((0, vocab), dtype=torch.float32, device=self.device)
@@ -89,13 +90,13 @@ class ModelRunner:
         input_ids = torch.tensor(
             [t for c in chunks for t in c.token_ids], dtype=torch.int64
         ).to(self.device)
-        # Row of each chunk's last token in the packed batch: query_start_loc[b + 1] - 1.
+        # Rows of each chunk's last num_logits tokens in the packed batch, which ends the
+        # chunk at query_start_loc[b + 1].
         last_rows: list[int] = []
         end = 0
         for c in chunks:
             end += len(c.token_ids)
-            if c.needs_logits:
-                last_rows.append(end - 1)
+            last_rows.extend(range(end - c.num_logits, end))
         with torch.inference_mode(), forward_context(metadata, self.kv_caches, self.backend):
             hidden = self.model(input_ids, metadata.positions)
             if not last_rows:

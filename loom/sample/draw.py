@@ -43,6 +43,12 @@ def uniforms(
     return u
 
 
+def skip_uniforms(generator: torch.Generator, count: int) -> None:
+    """Advance `generator` exactly as `uniforms` does for `count` rows that use it."""
+    for _ in range(count):
+        torch.rand(1, dtype=torch.float64, device=generator.device, generator=generator)
+
+
 def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
     """Token ids [R, n] drawn from rows of (unnormalised) probs [R, V] with uniforms u [R, n]."""
     num_rows, vocab = probs.shape
