@@ -36,6 +36,14 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.proposer = NgramProposer(config)
+        # Engine-wide counts: draft tokens scored, and those the sampler agreed with.
+        self.num_drafted = 0
+        self.num_accepted = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted share of the drafted tokens so far (0 before any draft)."""
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
 
     def enabled_for(self, num_running: int) -> bool:
         """False while the batch is at least `disable_by_batch_size` requests."""
@@ -69,6 +77,8 @@ class Speculator:
         repeat its context soon draft a single token when they draft at all."""
         if num_drafts == 0:
             return
+        self.num_drafted += num_drafts
+        self.num_accepted += num_accepted
         most = self.config.num_speculative_tokens
         limit = most if seq.draft_limit is None else seq.draft_limit
         if num_accepted == num_drafts:

@@ -131,3 +131,65 @@ def test_random_workloads_never_leak_and_frontier_is_sound(lengths, budget, bloc
     for rid in list(s.requests):
         s.finish(rid, RequestStatus.FINISHED_ABORTED)
     assert s.kv.pool.all_free
+
+
+# ---- speculative drafts -----------------------------------------------------------------
+
+
+def decoding(s: Scheduler, rid: str, prompt_len: int) -> Request:
+    """A request whose prompt is computed and whose first sampled token is pending."""
+    req = Request(rid, list(range(prompt_len)))
+    s.add_request(req)
+    run_step(s)
+    return req
+
+
+def test_drafts_are_scheduled_with_the_decode_and_ask_for_a_row_each():
+    s = make(budget=16)
+    req = decoding(s, "a", 6)
+    req.add_draft_tokens([1, 2, 3])
+    out = s.schedule()
+    (chunk,) = out.chunks
+    assert chunk.token_ids == [7, 1, 2, 3] and chunk.num_draft_tokens == 3
+    assert chunk.needs_logits and chunk.num_logits == 4
+
+
+def test_drafts_the_budget_cannot_take_are_dropped_and_never_split_a_chunk():
+    s = make(budget=3)
+    req = decoding(s, "a", 3)
+    req.add_draft_tokens([1, 2, 3, 4])
+    (chunk,) = s.schedule().chunks
+    assert chunk.token_ids == [7, 1, 2] and chunk.num_draft_tokens == 2
+    assert req.token_ids == [0, 1, 2, 7, 1, 2] and req.num_draft_tokens == 2
+
+
+def test_unscheduled_requests_lose_their_drafts():
+    s = make(budget=64)
+    a, b = decoding(s, "a", 2), decoding(s, "b", 2)
+    s.config = SchedulerConfig(2, 8, 64, 4)  # a (with its draft) fills the budget
+    a.add_draft_tokens([5])
+    b.add_draft_tokens([6])
+    out = s.schedule()
+    assert [c.request_id for c in out.chunks] == ["a"]
+    assert b.token_ids[-1] == 7 and b.num_draft_tokens == 0
+
+
+def test_drafts_never_preempt_another_request():
+    s = make(budget=64, blocks=3, block_size=4)
+    a = decoding(s, "a", 4)  # 2 blocks (5 tokens)
+    decoding(s, "b", 3)  # 1 block
+    a.add_draft_tokens([1, 2, 3, 4])  # 9 tokens would need a third block for a
+    out = s.schedule()
+    assert not out.preempted_request_ids
+    assert a.num_draft_tokens == 0 and [len(c.token_ids) for c in out.chunks] == [1, 1]
+
+
+def test_preemption_discards_drafts():
+    s = make(budget=64, blocks=2, block_size=4)
+    decoding(s, "old", 3)
+    new = decoding(s, "new", 3)  # one block each: the pool is full
+    new.add_draft_tokens([1])
+    out = s.schedule()  # old's decode needs a second block: the newest running one goes
+    assert out.preempted_request_ids == ["new"]
+    assert new.token_ids == [0, 1, 2, 7] and new.num_draft_tokens == 0
+    assert new.num_computed_tokens == 0

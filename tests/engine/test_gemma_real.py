@@ -85,3 +85,44 @@ def test_fork_join_scene_shares_kv_and_equals_fresh_forward(engine, gemma_hf):
             torch.testing.assert_close(logits, ref, atol=2e-3, rtol=1e-3)
     assert engine.num_recomputed_tokens == 0
     engine.close("outline-test")
+
+
+REPEATING = (
+    "The lamp was lit at dusk. The bell was rung at dawn. The lamp was lit at dusk. "
+    "The bell was rung at dawn. The lamp was lit"
+)
+
+
+def test_speculative_decoding_equals_transformers_and_fresh_forward(gemma_path, gemma_hf):
+    """n-gram drafts on the real model: greedy tokens equal transformers' and a session's
+    logits equal a fresh forward pass; drafts were accepted along the way."""
+    from loom.engine.config import EngineArgs
+    from loom.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(gemma_path), dtype="float32", num_kv_blocks=256,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+    ))
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    for i, prompt in enumerate([REPEATING, *PROMPTS[2:]]):
+        engine.add_request(f"s{i}", prompt, params)
+        out = run_to_completion(engine)[f"s{i}"]
+        ids = torch.tensor([out.prompt_token_ids])
+        with torch.no_grad():
+            ref = gemma_hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
+        got = out.outputs[0].token_ids
+        assert got == ref[0, ids.shape[1] :].tolist()[: len(got)], prompt
+    assert engine.speculator.num_accepted > 0
+    engine.add_request("sess", REPEATING, params, session=True)
+    run_to_completion(engine)
+    engine.prefill("sess", " at dusk. The bell")
+    run_to_completion(engine)
+    engine.resume("sess", SamplingParams(temperature=0.0, max_tokens=12))
+    run_to_completion(engine)
+    ids = list(engine.get_session("sess").token_ids)
+    with torch.no_grad():
+        ref = gemma_hf(torch.tensor([ids])).logits[0, -1].float()
+    torch.testing.assert_close(engine.get_logits("sess"), ref, atol=2e-3, rtol=1e-3)
+    assert engine.num_recomputed_tokens == 0
+    engine.close("sess")
+    assert engine.kv_pool_all_free
