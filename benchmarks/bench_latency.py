@@ -43,9 +43,12 @@ def loom_runner(engine: Any) -> Runner:
     return run
 
 
-def hf_runner(hf: Any) -> Runner:
-    """HF `generate` (greedy, EOS ignored) with a streamer that timestamps each token."""
+def hf_runner(hf: Any, prompt_lookup: int | None = None) -> Runner:
+    """HF `generate` (greedy, EOS ignored) with a streamer that timestamps each token;
+    `prompt_lookup`: its prompt-lookup speculative decoding with that many draft tokens."""
     import torch
+
+    extra = {} if prompt_lookup is None else {"prompt_lookup_num_tokens": prompt_lookup}
 
     def run(prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
         input_ids = torch.tensor([prompt], device=hf.device)
@@ -62,6 +65,7 @@ def hf_runner(hf: Any) -> Runner:
                 top_k=None,
                 pad_token_id=c.hf_pad_id(hf),
                 streamer=streamer,
+                **extra,
             )
         return start, streamer.times
 
@@ -111,7 +115,9 @@ def main() -> None:
                         help="HF dtypes ('same' = Loom's); default: same bfloat16 (quick: same)")
     parser.add_argument("--loom-modes", nargs="*", default=["int8", "w8a8", "w8a8+kv16"],
                         help="Loom variants besides its dtype: quantization modes, '+kv16' for "
-                             "a float16 KV cache")
+                             "a float16 KV cache, '+ngram' for n-gram speculative decoding")
+    parser.add_argument("--hf-prompt-lookup", type=int, default=0,
+                        help="also run HF bf16 with prompt-lookup decoding (this many drafts)")
     args = parser.parse_args()
     if args.doc_only:
         return c.rerender(NAME, TITLE, render)
@@ -132,6 +138,9 @@ def main() -> None:
         for hf_dtype in dict.fromkeys(args.hf_dtypes or default_dtypes):
             hf_dtype = dtype if hf_dtype == "same" else hf_dtype
             runners.append((f"transformers {hf_dtype}", lambda d=hf_dtype: _hf(args, d)))
+        if args.hf_prompt_lookup:
+            runners.append((f"transformers bfloat16+ngram{args.hf_prompt_lookup}",
+                             lambda: _hf(args, "bfloat16", args.hf_prompt_lookup)))
     else:
         c.skip("transformers: skipped (--no-hf)")
     if not args.no_llama_cpp:
@@ -178,9 +187,9 @@ def _variant(args: Any, mode: str) -> Runner | None:
     return None if engine is None else loom_runner(engine)
 
 
-def _hf(args: Any, dtype: str) -> Runner | None:
+def _hf(args: Any, dtype: str, prompt_lookup: int | None = None) -> Runner | None:
     hf = c.load_hf(args.model, dtype)
-    return None if hf is None else hf_runner(hf)
+    return None if hf is None else hf_runner(hf, prompt_lookup)
 
 
 def _llama(args: Any, n_ctx: int) -> Runner | None:

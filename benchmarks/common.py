@@ -396,11 +396,14 @@ def make_engine(args: argparse.Namespace, **kwargs: Any) -> Any:
 
 def loom_mode_kwargs(mode: str) -> dict[str, Any]:
     """Engine arguments of a Loom variant name: "default", a quantization ("int8", "w8a8"),
-    optionally "+kv16" for a float16 KV cache (e.g. "w8a8+kv16")."""
+    optionally "+kv16" for a float16 KV cache and "+ngram" for speculative decoding with
+    n-gram drafts (e.g. "w8a8+kv16+ngram")."""
     kwargs: dict[str, Any] = {}
     for part in mode.split("+"):
         if part == "kv16":
             kwargs["kv_cache_dtype"] = "float16"
+        elif part == "ngram":
+            kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 4}
         elif part != "default":
             kwargs["quantization"] = part
     return kwargs
