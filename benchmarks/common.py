@@ -290,11 +290,12 @@ class TimestampStreamer:
         self._prompt_seen = False
 
     def put(self, value: Any) -> None:
-        """Called by `generate` with the prompt first, then with every new token."""
+        """Called by `generate` with the prompt first, then with the new token(s): several
+        at once when speculative decoding accepts drafts."""
         if not self._prompt_seen:
             self._prompt_seen = True
             return
-        self.times.append(now())
+        self.times.extend([now()] * max(1, int(value.numel())))
 
     def end(self) -> None:
         """Called once at the end of generation."""

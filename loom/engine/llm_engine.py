@@ -18,8 +18,8 @@ from loom.engine.promise_sync import PromiseSyncHook
 from loom.engine.resolve import build_engine_parts
 from loom.engine.sequence import SequenceState
 from loom.engine.session_ops import SessionOps
-from loom.engine.speculation import Speculator, kept_tokens
-from loom.engine.stop_conditions import check_stop
+from loom.engine.speculation import Speculator
+from loom.engine.token_ops import TokenOps
 from loom.engine.tree_ops import TreeOps
 from loom.errors import (
     DuplicateRequestError,
@@ -29,15 +29,14 @@ from loom.errors import (
     UnknownRequestError,
 )
 from loom.runner.model_runner import ModelRunner
-from loom.sample import Sampler, SamplerOutput, SamplingRow, is_greedy
-from loom.sample.draw import skip_uniforms
+from loom.sample import Sampler
 from loom.sampling_params import SamplingParams
 from loom.tokenizer import IncrementalDetokenizer, Tokenizer
 
 _MAX_REMEMBERED_ENDED = 10_000
 
 
-class LLMEngine(SessionOps, TreeOps):
+class LLMEngine(SessionOps, TreeOps, TokenOps):
     """The synchronous engine: a scheduler, a model runner, a sampler and output processing.
 
     Request ids name what a caller added; with `n > 1` each of the n sequences is scheduled
@@ -242,94 +241,6 @@ class LLMEngine(SessionOps, TreeOps):
             self._sample_and_append(to_sample, logits, drafts)
         return [self._group_output(rid) for rid in touched]
 
-    def _sample_and_append(
-        self,
-        seqs: list[SequenceState],
-        logits: torch.Tensor,
-        drafts: list[list[int]] | None = None,
-    ) -> None:
-        """Sample each sequence's next token(s) and advance it.
-
-        Sequence i owns 1 + len(drafts[i]) consecutive logits rows: the row after its last
-        token, then one after each draft (speculative decoding, see `engine/speculation.py`).
-        """
-        drafts = drafts or [[] for _ in seqs]
-        rows: list[SamplingRow] = []
-        for seq, draft in zip(seqs, drafts, strict=True):
-            # Copying the prompt costs O(context): only for the rows that read it.
-            prompt = seq.prompt_token_ids if _reads_prompt(seq.params) else []
-            for i in range(len(draft) + 1):
-                history = seq.segment_token_ids + draft[:i] if i else seq.segment_token_ids
-                rows.append(
-                    SamplingRow(seq.params, prompt, history, seq.generator, self.eos_token_ids)
-                )
-        # A drafted sequence's generator draws once per row; rewound to the kept rows below.
-        saved = [
-            s.generator.get_state() if d and s.generator is not None and not is_greedy(s.params)
-            else None
-            for s, d in zip(seqs, drafts, strict=True)
-        ]
-        result = self.sampler(logits, rows)
-        first_row = 0
-        for seq, draft, state in zip(seqs, drafts, saved, strict=True):
-            num_rows = len(draft) + 1
-            tokens = kept_tokens(result.token_ids[first_row : first_row + num_rows], draft)
-            used = self._advance(seq, tokens, len(draft), logits, result, first_row)
-            if draft and self.speculator is not None:
-                self.speculator.observe(seq, len(draft), len(tokens) - 1)
-            if state is not None and used < num_rows:
-                seq.generator.set_state(state)
-                skip_uniforms(seq.generator, used)
-            if draft and seq.request_id in self.scheduler.requests:
-                # Blocks that only held rejected drafts go back to the pool.
-                self.scheduler.truncate(seq.request, seq.request.num_tokens)
-            first_row += num_rows
-
-    def _advance(
-        self,
-        seq: SequenceState,
-        tokens: list[int],
-        num_drafts: int,
-        logits: torch.Tensor,
-        result: SamplerOutput,
-        first_row: int,
-    ) -> int:
-        """Append sampled tokens one by one (hooks, detokenizer, stop checks) until the
-        segment stops or the sequence blocks; returns how many were taken.
-
-        While token j is handled the request reads exactly as if plain decoding had just
-        sampled it: `... p t0 .. t(j-1) | tj` with tj uncomputed; t0 .. t(j-1) equal the
-        drafts d1 .. dj, whose K/V this step already wrote.
-        """
-        request = seq.request
-        first = request.num_tokens - num_drafts  # tokens up to p, the one before the drafts
-        if num_drafts:
-            request.truncate(first)
-        for j, token_id in enumerate(tokens):
-            if j:
-                request.advance_frontier(first + j)
-            request.append_tokens([token_id])
-            if seq.is_session:
-                seq.last_logits = logits[first_row + j].clone()
-            for hook in self.hooks:
-                hook.on_token(self.hook_context, seq.request_id, token_id)
-            top = result.top_logprobs[first_row + j]
-            seq.add_generated(token_id, result.logprobs[first_row + j], dict(top) if top else None)
-            if seq.finish_requested:
-                seq.finish_reason, seq.stop_reason = "stop", token_id
-                self._end_segment(seq, RequestStatus.FINISHED_STOPPED)
-                return j + 1
-            status = check_stop(seq, token_id, self.eos_token_ids, self.config.max_model_len)
-            if status is not None:
-                self._end_segment(seq, status)
-                return j + 1
-            if seq.blocked and not request.is_finished:
-                self.scheduler.park(request, RequestStatus.BLOCKED)
-                return j + 1
-            if request.is_finished:
-                return j + 1
-        return len(tokens)
-
     def _fail_unschedulable(self) -> list[RequestOutput]:
         """Nothing runs and the head of the queue cannot get blocks: the rest of the pool is
         held by pinned or blocked sequences. Fail that request (its tree) instead of waiting
@@ -404,8 +315,3 @@ class LLMEngine(SessionOps, TreeOps):
     def kv_pool_all_free(self) -> bool:
         """True when no request holds any KV block (the leak check)."""
         return self.scheduler.kv.pool.all_free
-
-
-def _reads_prompt(params: SamplingParams) -> bool:
-    """True when sampling looks at the prompt: repetition penalty or logits processors."""
-    return params.repetition_penalty != 1.0 or bool(params.logits_processors)

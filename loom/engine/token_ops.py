@@ -1,0 +1,120 @@
+"""Sampling a step's logits rows and appending the tokens, one at a time, to their sequences.
+
+Mixed into `LLMEngine`. Every sampled token goes through the same path (hooks, detokenizer,
+stop checks), whether it came from a plain decode, a `resume` from stored logits or a
+verified speculative draft.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from loom.core.request import RequestStatus
+from loom.engine.sequence import SequenceState
+from loom.engine.speculation import kept_tokens
+from loom.engine.stop_conditions import check_stop
+from loom.sample import SamplerOutput, SamplingRow, is_greedy
+from loom.sample.draw import skip_uniforms
+from loom.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from loom.engine.llm_engine import LLMEngine
+
+
+class TokenOps:
+    """The token-appending half of `LLMEngine`."""
+
+    def _sample_and_append(
+        self: LLMEngine,
+        seqs: list[SequenceState],
+        logits: torch.Tensor,
+        drafts: list[list[int]] | None = None,
+    ) -> None:
+        """Sample each sequence's next token(s) and advance it.
+
+        Sequence i owns 1 + len(drafts[i]) consecutive logits rows: the row after its last
+        token, then one after each draft (speculative decoding, see `engine/speculation.py`).
+        """
+        drafts = drafts or [[] for _ in seqs]
+        rows: list[SamplingRow] = []
+        for seq, draft in zip(seqs, drafts, strict=True):
+            # Copying the prompt costs O(context): only for the rows that read it.
+            prompt = seq.prompt_token_ids if _reads_prompt(seq.params) else []
+            for i in range(len(draft) + 1):
+                history = seq.segment_token_ids + draft[:i] if i else seq.segment_token_ids
+                rows.append(
+                    SamplingRow(seq.params, prompt, history, seq.generator, self.eos_token_ids)
+                )
+        # A drafted sequence's generator draws once per row; rewound to the kept rows below.
+        saved = [
+            s.generator.get_state() if d and s.generator is not None and not is_greedy(s.params)
+            else None
+            for s, d in zip(seqs, drafts, strict=True)
+        ]
+        result = self.sampler(logits, rows)
+        first_row = 0
+        for seq, draft, state in zip(seqs, drafts, saved, strict=True):
+            num_rows = len(draft) + 1
+            tokens = kept_tokens(result.token_ids[first_row : first_row + num_rows], draft)
+            used = self._advance(seq, tokens, len(draft), logits, result, first_row)
+            if draft and self.speculator is not None:
+                self.speculator.observe(seq, len(draft), len(tokens) - 1)
+            if state is not None and used < num_rows:
+                seq.generator.set_state(state)
+                skip_uniforms(seq.generator, used)
+            if draft and seq.request_id in self.scheduler.requests:
+                # Blocks that only held rejected drafts go back to the pool.
+                self.scheduler.truncate(seq.request, seq.request.num_tokens)
+            first_row += num_rows
+
+    def _advance(
+        self: LLMEngine,
+        seq: SequenceState,
+        tokens: list[int],
+        num_drafts: int,
+        logits: torch.Tensor,
+        result: SamplerOutput,
+        first_row: int,
+    ) -> int:
+        """Append sampled tokens one by one (hooks, detokenizer, stop checks) until the
+        segment stops or the sequence blocks; returns how many were taken.
+
+        While token j is handled the request reads exactly as if plain decoding had just
+        sampled it: `... p t0 .. t(j-1) | tj` with tj uncomputed; t0 .. t(j-1) equal the
+        drafts d1 .. dj, whose K/V this step already wrote.
+        """
+        request = seq.request
+        first = request.num_tokens - num_drafts  # tokens up to p, the one before the drafts
+        if num_drafts:
+            request.truncate(first)
+        for j, token_id in enumerate(tokens):
+            if j:
+                request.advance_frontier(first + j)
+            request.append_tokens([token_id])
+            if seq.is_session:
+                seq.last_logits = logits[first_row + j].clone()
+            for hook in self.hooks:
+                hook.on_token(self.hook_context, seq.request_id, token_id)
+            top = result.top_logprobs[first_row + j]
+            seq.add_generated(token_id, result.logprobs[first_row + j], dict(top) if top else None)
+            if seq.finish_requested:
+                seq.finish_reason, seq.stop_reason = "stop", token_id
+                self._end_segment(seq, RequestStatus.FINISHED_STOPPED)
+                return j + 1
+            status = check_stop(seq, token_id, self.eos_token_ids, self.config.max_model_len)
+            if status is not None:
+                self._end_segment(seq, status)
+                return j + 1
+            if seq.blocked and not request.is_finished:
+                self.scheduler.park(request, RequestStatus.BLOCKED)
+                return j + 1
+            if request.is_finished:
+                return j + 1
+        return len(tokens)
+
+
+def _reads_prompt(params: SamplingParams) -> bool:
+    """True when sampling looks at the prompt: repetition penalty or logits processors."""
+    return params.repetition_penalty != 1.0 or bool(params.logits_processors)
