@@ -294,6 +294,9 @@ static inline __attribute__((always_inline)) void attention_body_t(
         const int64_t k1 = k0 + ATTN_PART < len ? k0 + ATTN_PART : len;
         const int64_t *table = block_tables + seq * max_blocks;
         const int64_t nk = k1 - k0;
+        /* Keys before kv0 are masked for every query of the item (outside the window): they
+         * are neither read nor summed (their exact-zero weights would not change a sum). */
+        const int64_t kv0 = k0 > lo ? k0 : lo;
 #define SLOT(t, g) (scratch + (((t0 + (t)) * h + h0 + (g)) * parts + part) * slot_floats)
         for (int64_t t = 0; t < ql; t++)
             for (int64_t g = 0; g < ng; g++) {
@@ -304,7 +307,10 @@ static inline __attribute__((always_inline)) void attention_body_t(
         /* Scores: each key is read once for every query token and head of the item; masked
          * keys score -inf. The value rows are prefetched meanwhile for the second pass. */
         const char *vrows[ATTN_PART];
-        for (int64_t p = k0; p < k1; p++) {
+        for (int64_t t = 0; t < ql; t++)
+            for (int64_t g = 0; g < ng; g++)
+                for (int64_t p = k0; p < kv0; p++) SLOT(t, g)[p - k0] = -INFINITY;
+        for (int64_t p = kv0; p < k1; p++) {
             const int64_t slot = (table[p / bs] * bs + p % bs) * hkv + kvh;
             const char *kv = (const char *)k_cache + slot * row_bytes;
             vrows[p - k0] = (const char *)v_cache + slot * row_bytes;
@@ -367,7 +373,7 @@ static inline __attribute__((always_inline)) void attention_body_t(
                 for (; c + 16 <= d; c += 16) {
                     __m256 acc[8];
                     for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-                    for (int64_t p = 0; p < nk; p++) {
+                    for (int64_t p = kv0 - k0; p < nk; p++) {
                         const __m256 v0 = load_kv8(vrows[p], c, f16);
                         const __m256 v1 = load_kv8(vrows[p], c + 8, f16);
                         for (int64_t g = 0; g < n4; g++) {
@@ -385,7 +391,7 @@ static inline __attribute__((always_inline)) void attention_body_t(
                 for (; c < d; c++)
                     for (int64_t g = 0; g < n4; g++) {
                         float sum = 0.0f;
-                        for (int64_t p = 0; p < nk; p++)
+                        for (int64_t p = kv0 - k0; p < nk; p++)
                             sum += e[g][p] * load_kv1(vrows[p], c, f16);
                         SLOT(t, g0 + g)[ATTN_PART + c] = sum;
                     }

@@ -192,6 +192,27 @@ def test_paged_attention_chunks_are_causal(window: int | None, cache_dtype: torc
         torch.testing.assert_close(out[starts[i] : starts[i + 1]], ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 100, 200])
+@pytest.mark.parametrize("length", [46, 130, 300])
+def test_paged_attention_of_a_position_is_the_same_alone_or_in_a_chunk(
+    window: int | None, length: int
+) -> None:
+    """Bit-identical, not just close: speculative decoding relies on it (a verified draft's
+    row must equal what plain decoding computes for that position)."""
+    g = torch.Generator().manual_seed(9)
+    block, heads, kv_heads, dim, ql = 16, 4, 1, 32, 6
+    cache = torch.randn(2, 24, block, kv_heads, dim, generator=g).to(torch.float16)
+    tables = torch.arange(23, -1, -1).view(1, -1)
+    q = torch.randn(ql, heads, dim, generator=g)
+    chunk = paged_attention(q, torch.tensor([0, ql]), cache, tables, torch.tensor([length]),
+                            length, 0.2, window, None)
+    for t in range(ql):
+        pos_len = length - ql + 1 + t
+        alone = paged_attention(q[t : t + 1], torch.tensor([0, 1]), cache, tables,
+                                torch.tensor([pos_len]), pos_len, 0.2, window, None)
+        assert torch.equal(alone[0], chunk[t]), (t, pos_len)
+
+
 def test_paged_attention_rejects_other_cache_dtypes() -> None:
     cache = torch.zeros(2, 4, 16, 1, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="bfloat16"):
