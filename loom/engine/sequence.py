@@ -54,8 +54,10 @@ class SequenceState:
     all_children: list[str] = field(default_factory=list)
     blocked: bool = False
     finish_requested: bool = False
-    # Speculative decoding: most drafts to propose next (None: the configured number).
+    # Speculative decoding: most drafts to propose next (None: not drafted yet), and steps
+    # to skip drafting after a miss (see loom.engine.speculation.Speculator.observe).
     draft_limit: int | None = None
+    draft_pause: int = 0
 
     @property
     def request_id(self) -> str:

@@ -61,8 +61,11 @@ class Speculator:
             or params.logits_processors  # user callables: never call them on guesses
         ):
             return
+        if seq.draft_pause > 0:
+            seq.draft_pause -= 1
+            return
         # Tokens the step may produce (drafts + 1) stay within max_tokens and the context.
-        limit = self.config.num_speculative_tokens if seq.draft_limit is None else seq.draft_limit
+        limit = self._limit(seq)
         room = min(limit, max_model_len - request.num_tokens - 1)
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - len(seq.segment_token_ids) - 1)
@@ -70,18 +73,33 @@ class Speculator:
         if draft:
             request.add_draft_tokens(draft)
 
+    def _limit(self, seq: SequenceState) -> int:
+        """Most drafts the sequence may get now: half the configured number at first."""
+        if seq.draft_limit is None:
+            return (self.config.num_speculative_tokens + 1) // 2
+        return seq.draft_limit
+
     def observe(self, seq: SequenceState, num_drafts: int, num_accepted: int) -> None:
-        """Adapt the sequence's draft length to how its drafts fare: one more than it last
-        accepted after a miss, two more after a full match (at most num_speculative_tokens).
-        A rejected draft costs a wasted row of compute, so sequences whose text does not
-        repeat its context soon draft a single token when they draft at all."""
+        """Adapt the sequence's drafting to how its drafts fare.
+
+        A rejected draft costs a row of compute for nothing (a step with k drafts costs
+        about 1 + k / 4 plain steps here), so: two more drafts after a full match (at most
+        num_speculative_tokens), one more than were accepted after a miss, and after a
+        single draft that missed, no drafts for the next `_PAUSE_STEPS` steps.
+        """
         if num_drafts == 0:
             return
         self.num_drafted += num_drafts
         self.num_accepted += num_accepted
         most = self.config.num_speculative_tokens
-        limit = most if seq.draft_limit is None else seq.draft_limit
         if num_accepted == num_drafts:
-            seq.draft_limit = min(most, limit + 2)
+            seq.draft_limit = min(most, self._limit(seq) + 2)
         else:
             seq.draft_limit = min(most, num_accepted + 1)
+            if num_drafts == 1:
+                seq.draft_pause = _PAUSE_STEPS
+
+
+# Steps without drafts after a single draft was rejected: probing costs at most
+# 1 / (_PAUSE_STEPS + 1) of the rows a miss wastes, on text that does not repeat.
+_PAUSE_STEPS = 4
