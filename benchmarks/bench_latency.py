@@ -3,8 +3,9 @@
 For each prompt length (default 512 and 2048 tokens) one request generates `--max-tokens`
 tokens greedily with EOS ignored. TTFT is the time from submitting to the first token;
 decode tokens/s is (n - 1) / (time of the last token - time of the first). Engines: Loom at
-its default dtype, Loom int8 (when `EngineArgs(quantization="int8")` is accepted), HF
-transformers at Loom's dtype and in bf16, llama.cpp on the same GGUF file.
+its default dtype and the `--loom-modes` variants (int8, w8a8, a float16 KV cache, n-gram
+speculative decoding), HF transformers at Loom's dtype and in bf16 (and bf16 with its
+prompt-lookup decoding, the peer of Loom's "+ngram"), llama.cpp on the same GGUF file.
 """
 
 from __future__ import annotations
@@ -113,11 +114,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None, help="decode length (128)")
     parser.add_argument("--hf-dtypes", nargs="+", default=None,
                         help="HF dtypes ('same' = Loom's); default: same bfloat16 (quick: same)")
-    parser.add_argument("--loom-modes", nargs="*", default=["int8", "w8a8", "w8a8+kv16"],
+    parser.add_argument("--loom-modes", nargs="*",
+                        default=["int8", "w8a8", "w8a8+kv16", "w8a8+kv16+ngram"],
                         help="Loom variants besides its dtype: quantization modes, '+kv16' for "
                              "a float16 KV cache, '+ngram' for n-gram speculative decoding")
-    parser.add_argument("--hf-prompt-lookup", type=int, default=0,
-                        help="also run HF bf16 with prompt-lookup decoding (this many drafts)")
+    parser.add_argument("--hf-prompt-lookup", type=int, default=4,
+                        help="also run HF bf16 with prompt-lookup decoding with this many "
+                             "drafts (0: off; the peer of Loom's '+ngram')")
     args = parser.parse_args()
     if args.doc_only:
         return c.rerender(NAME, TITLE, render)
@@ -138,7 +141,7 @@ def main() -> None:
         for hf_dtype in dict.fromkeys(args.hf_dtypes or default_dtypes):
             hf_dtype = dtype if hf_dtype == "same" else hf_dtype
             runners.append((f"transformers {hf_dtype}", lambda d=hf_dtype: _hf(args, d)))
-        if args.hf_prompt_lookup:
+        if args.hf_prompt_lookup and not args.quick:
             runners.append((f"transformers bfloat16+ngram{args.hf_prompt_lookup}",
                              lambda: _hf(args, "bfloat16", args.hf_prompt_lookup)))
     else:

@@ -108,6 +108,7 @@ def main() -> None:
     if args.no_hf:
         c.skip("transformers: skipped (--no-hf)")
     if hf is not None:
+        hf_time(hf, prompts["story"], 8, None)  # warm-up (first-call costs), untimed
         for name, ids in prompts.items():
             c.log(f"transformers bfloat16 +/- prompt lookup: {name}")
             peer[name] = {

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ["latency", "throughput", "sessions", "hooks", "quality"]
+BENCHMARKS = ["latency", "throughput", "sessions", "hooks", "quality", "speculative"]
 
 
 def main() -> int:
