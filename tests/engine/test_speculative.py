@@ -135,3 +135,24 @@ def test_drafting_pauses_for_large_batches_and_bad_configs_are_rejected(tiny_mod
         make_engine(folder, speculative_config={"method": "medusa"})
     with pytest.raises(InvalidRequestError, match="speculative_config must be a dict"):
         make_engine(folder, speculative_config=4)
+
+
+def test_async_streaming_with_drafts_is_cumulative_and_equal(tiny_models):
+    """A step may now add several tokens: streams stay cumulative and end equal to plain."""
+    import asyncio
+
+    from loom.engine.async_engine import AsyncLLMEngine
+
+    folder, hf = tiny_models["llama"]
+    engine = AsyncLLMEngine(make_engine(folder, speculative_config=SPEC))
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+    async def stream():
+        return [o async for o in engine.generate(PROMPTS[0], params, "a")]
+
+    outs = asyncio.run(stream())
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    assert lengths == sorted(lengths) and outs[-1].finished
+    assert outs[-1].outputs[0].token_ids == hf_greedy(hf, PROMPTS[0], 20)
+    assert len(outs) < 20  # some steps delivered more than one token
+    assert engine.engine.kv_pool_all_free
