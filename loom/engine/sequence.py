@@ -78,6 +78,7 @@ class SequenceState:
         self.finish_reason = None
         self.stop_reason = None
         self.text_cut = None
+        self.draft_limit, self.draft_pause = None, 0  # new parameters: drafting starts afresh
         self.stop_checker = (
             StopStringChecker(params.stop_strings, params.include_stop_str_in_output)
             if params.stop_strings
