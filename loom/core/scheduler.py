@@ -13,9 +13,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from loom.core.kv_cache_manager import KVCacheManager
+from loom.core.kv_cache_manager import KVCacheManager, cdiv
 from loom.core.request import Request, RequestStatus
-from loom.core.scheduler_output import ScheduledChunk, SchedulerOutput
+from loom.core.scheduler_output import ScheduledChunk, SchedulerOutput, Unschedulable
 
 
 @dataclass(frozen=True)
@@ -176,6 +176,8 @@ class Scheduler:
                 num_new -= request.num_draft_tokens
                 request.discard_draft_tokens()
                 continue
+            if not self._can_ever_fit(request, request.num_computed_tokens + num_new, out):
+                return 0  # preempting anyone (itself included) would only repeat forever
             victim = self._pick_victim(request, scheduled)
             self._preempt(victim, out)
             if victim is request:
@@ -185,12 +187,37 @@ class Scheduler:
     def _admit(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         """Allocate for a waiting request, evicting idle sessions and newer waiting requests'
         blocks (never running requests)."""
+        if self.kv.allocate_slots(request.request_id, num_tokens):
+            return True
+        if not self._can_ever_fit(request, num_tokens, out):
+            return False
         while not self.kv.allocate_slots(request.request_id, num_tokens):
             victim = self._idle_victim() or self._waiting_victim(request)
             if victim is None:
                 return False
             self._preempt(victim, out)
         return True
+
+    def _can_ever_fit(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Whether the request could ever hold `num_tokens` slots; if not, report it in
+        `out.unschedulable` for the engine to fail.
+
+        Every block can be freed for it by preemption or eviction except those of pinned idle
+        sessions (blocks it shares with them are already its own). Without this check a
+        request needing more than the rest of the pool preempts itself, recomputes and
+        preempts itself again forever.
+        """
+        pinned: set[int] = set()
+        for idle in self.idle.values():
+            if idle.pinned:
+                pinned.update(self.kv.block_ids(idle.request_id))
+        shared = len(pinned.intersection(self.kv.block_ids(request.request_id)))
+        needed = cdiv(num_tokens, self.config.block_size) - shared
+        available = self.config.num_kv_blocks - len(pinned)
+        if needed <= available:
+            return True
+        out.unschedulable.append(Unschedulable(request.request_id, needed, available))
+        return False
 
     def _idle_victim(self) -> Request | None:
         """The least recently used unpinned idle request that holds blocks."""

@@ -40,6 +40,16 @@ class ScheduledChunk:
         return self.start_pos + len(self.token_ids)
 
 
+@dataclass(frozen=True)
+class Unschedulable:
+    """A request that can never hold the blocks its tokens need: pinned idle sessions keep
+    the rest of the pool, and no preemption or eviction can free them for it."""
+
+    request_id: str
+    blocks_needed: int
+    blocks_available: int
+
+
 @dataclass
 class SchedulerOutput:
     """The batch of one step: chunks in scheduling order (decodes first, then prefills)."""
@@ -50,6 +60,8 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Tokens computed again that had been computed before (after preemption).
     num_recomputed_tokens: int = 0
+    # Requests the engine must fail: waiting or preempting would never make them fit.
+    unschedulable: list[Unschedulable] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -193,13 +193,14 @@ class LLMEngine(SessionOps, TreeOps, TokenOps):
         sched_out = self.scheduler.schedule()
         self.last_scheduler_output = sched_out
         if sched_out.is_empty:
-            return reported + self._fail_unschedulable()
+            return reported + self._fail_unschedulable(sched_out)
         if sched_out.block_copies:
             self.runner.copy_blocks(sched_out.block_copies)
         logits = self.runner.execute(sched_out.chunks)
         self.scheduler.update_after_step(sched_out)
         self.num_steps += 1
         outputs = reported + self._process_logits(sched_out, logits)
+        outputs += self._fail_unschedulable(sched_out)
         if self._pending_calls and self.run_async_calls_inline:
             self._run_pending_calls_inline()
         return outputs
@@ -241,24 +242,42 @@ class LLMEngine(SessionOps, TreeOps, TokenOps):
             self._sample_and_append(to_sample, logits, drafts)
         return [self._group_output(rid) for rid in touched]
 
-    def _fail_unschedulable(self) -> list[RequestOutput]:
-        """Nothing runs and the head of the queue cannot get blocks: the rest of the pool is
-        held by pinned or blocked sequences. Fail that request (its tree) instead of waiting
-        forever; everything else keeps its state."""
-        if self.scheduler.running or not self.scheduler.waiting:
-            return []
-        group = self._seqs[self.scheduler.waiting[0].request_id].group_id
-        error = (
-            f"request {group!r} cannot be scheduled: it needs more KV blocks than are free "
-            f"({self.num_free_blocks} of {self.config.num_kv_blocks}); the rest are held by "
-            "pinned sessions or blocked sequences"
-        )
-        for seq_id in self._groups[group]:
-            seq = self._seqs[seq_id]
-            if not seq.request.is_finished:
-                seq.finish_reason = "error"
-                self.scheduler.finish(seq_id, RequestStatus.FINISHED_ERROR)
-        return [self._group_output(group, error)]
+    def _fail_unschedulable(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
+        """Fail the requests (their trees) that can never get the KV blocks they need, so
+        nothing waits or preempts itself forever; every other request keeps its state.
+
+        The scheduler names those that pinned sessions crowd out. When a step runs nothing and
+        names none, the head of the queue waits on blocks that only it could free (held by
+        pinned or blocked sequences waiting behind it): it fails too."""
+        total = self.config.num_kv_blocks
+        errors: dict[str, str] = {}
+        for item in sched_out.unschedulable:
+            seq = self._seqs.get(item.request_id)
+            if seq is not None and seq.group_id not in errors:
+                errors[seq.group_id] = (
+                    f"request {seq.group_id!r} cannot be scheduled: it needs "
+                    f"{item.blocks_needed} KV blocks but only {item.blocks_available} of "
+                    f"{total} can ever be free for it; the rest are held by pinned sessions"
+                )
+        if sched_out.is_empty and not errors and not self.scheduler.running:
+            if self.scheduler.waiting:
+                group = self._seqs[self.scheduler.waiting[0].request_id].group_id
+                errors[group] = (
+                    f"request {group!r} cannot be scheduled: it needs more KV blocks than are "
+                    f"free ({self.num_free_blocks} of {total}); the rest are held by pinned "
+                    "sessions or blocked sequences"
+                )
+        outputs = []
+        for group, error in errors.items():
+            if group not in self._groups:
+                continue  # already ended in this step
+            for seq_id in self._groups[group]:
+                seq = self._seqs[seq_id]
+                if not seq.request.is_finished:
+                    seq.finish_reason = "error"
+                    self.scheduler.finish(seq_id, RequestStatus.FINISHED_ERROR)
+            outputs.append(self._group_output(group, error))
+        return outputs
 
     def _end_segment(self, seq: SequenceState, status: RequestStatus) -> None:
         """A plain sequence finishes; a session keeps its KV and computes its pending token."""

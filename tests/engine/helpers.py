@@ -30,3 +30,12 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, R
 def prompt_ids(n: int, offset: int = 0, vocab: int = 500) -> list[int]:
     """A deterministic prompt of n token ids avoiding the special ids 0..2."""
     return [3 + (offset * 31 + i * 17) % (vocab - 3) for i in range(n)]
+
+
+def liveness_bound(work_tokens: int) -> int:
+    """Most engine steps a run may take for `work_tokens` tokens to compute or generate.
+
+    Without preemption every step computes at least one token of work; recompute after a
+    preemption is bounded by a small multiple of the work, never by the steps already taken.
+    """
+    return 20 + 3 * work_tokens

@@ -1,18 +1,22 @@
 """Randomized sessions and plain requests on a small block pool (hypothesis, stateful).
 
 Many sessions and plain requests go through random operations: open, prefill (with or
-without a new segment), resume, rewind, step, close, abort. At the end every session's
-stored logits equal a fresh forward pass over its tokens, and closing everything leaves the
-pool fully free.
+without a new segment), resume, rewind, step, close, abort, and a check of a paused
+session's stored logits against a fresh forward pass. At the end every session's stored
+logits equal a fresh forward pass over its tokens, closing everything leaves the pool fully
+free, and the whole run took a number of engine steps bounded by its work (liveness).
+
+`LOOM_STATEFUL_EXAMPLES` / `LOOM_STATEFUL_STEPS` raise the search (defaults 25 x 40).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
-from engine.helpers import make_engine, run_to_completion
+from engine.helpers import liveness_bound, make_engine
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -27,6 +31,10 @@ GEN = st.builds(
                                      ignore_eos=True),
     st.integers(1, 5), st.booleans(),
 )
+
+
+EXAMPLES = int(os.environ.get("LOOM_STATEFUL_EXAMPLES", "25"))
+STEPS = int(os.environ.get("LOOM_STATEFUL_STEPS", "40"))
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +53,14 @@ def test_stateful_sessions(tiny_qwen):
             self.sessions: list[str] = []
             self.plain: list[str] = []
             self.counter = 0
+            self.work = 0  # tokens to compute or generate that the run was given
+            self.checked = 0
+
+        def _give(self, num_tokens, params):
+            self.work += num_tokens + (params.max_tokens if params is not None else 0)
+
+        def _step_bound(self):
+            return liveness_bound(self.work)
 
         def _new_id(self, kind):
             self.counter += 1
@@ -55,12 +71,15 @@ def test_stateful_sessions(tiny_qwen):
             rid = self._new_id("s")
             self.engine.add_request(rid, prompt, params, session=True, pin=pin)
             self.sessions.append(rid)
+            self._give(len(prompt), params)
 
         @rule(prompt=TOKENS, n=st.integers(1, 6))
         def add_plain(self, prompt, n):
             rid = self._new_id("p")
-            self.engine.add_request(rid, prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+            params = SamplingParams(max_tokens=n, ignore_eos=True)
+            self.engine.add_request(rid, prompt, params)
             self.plain.append(rid)
+            self._give(len(prompt), params)
 
         @precondition(lambda self: self.sessions)
         @rule(data=st.data(), fragment=TOKENS, params=st.one_of(st.none(), GEN))
@@ -71,6 +90,8 @@ def test_stateful_sessions(tiny_qwen):
                 self.engine.prefill(rid, fragment, params)
             except PromptTooLongError:
                 assert self.engine.get_session(rid) == before
+            else:
+                self._give(len(fragment) + 1, params)  # + the pending sampled token
 
         @precondition(lambda self: self.sessions)
         @rule(data=st.data(), params=GEN)
@@ -78,6 +99,7 @@ def test_stateful_sessions(tiny_qwen):
             rid = data.draw(st.sampled_from(self.sessions))
             with contextlib.suppress(InvalidSessionStateError, PromptTooLongError):
                 self.engine.resume(rid, params)
+                self._give(1, params)
 
         @precondition(lambda self: self.sessions)
         @rule(data=st.data(), k=st.integers(1, 6))
@@ -87,14 +109,29 @@ def test_stateful_sessions(tiny_qwen):
             if view.generating or k >= len(view.token_ids):
                 return
             self.engine.rewind(rid, k)
+            self._give(1, None)  # the new last token is computed again
 
         @rule(n=st.integers(1, 4))
         def step(self, n):
             for _ in range(n):
-                for out in self.engine.step():
-                    if out.error is not None:  # pool held by pinned sessions: it was failed
-                        assert "cannot be scheduled" in out.error
-                        self._forget(out.request_id)
+                self._handle(self.engine.step())
+
+        def _handle(self, outputs):
+            for out in outputs:
+                if out.error is not None:  # pool held by pinned sessions: it was failed
+                    assert "cannot be scheduled" in out.error
+                    self._forget(out.request_id)
+
+        @precondition(lambda self: self.sessions)
+        @rule(data=st.data())
+        def check_logits(self, data):
+            rid = data.draw(st.sampled_from(self.sessions))
+            seq = self.engine._seqs[rid]
+            if seq.generating or seq.last_logits is None or seq.request.num_uncomputed_tokens:
+                return  # no stored logits for the current tokens yet
+            ref = hf_last_logits(hf, list(self.engine.get_session(rid).token_ids))
+            torch.testing.assert_close(self.engine.get_logits(rid), ref, atol=1e-4, rtol=0)
+            self.checked += 1
 
         def _forget(self, rid):
             for ids in (self.sessions, self.plain):
@@ -123,20 +160,32 @@ def test_stateful_sessions(tiny_qwen):
                 assert 0 <= view.num_computed_tokens <= len(view.token_ids)
                 assert len(view.block_ids) * 4 >= view.num_computed_tokens
 
+        @invariant()
+        def steps_are_bounded_by_work(self):
+            assert self.engine.num_steps <= self._step_bound(), (
+                f"{self.engine.num_steps} steps for {self.work} tokens of work: "
+                f"{self.engine.scheduler.num_preemptions} preemptions, "
+                f"{self.engine.num_recomputed_tokens} tokens recomputed"
+            )
+
         def teardown(self):
-            for out in run_to_completion(self.engine).values():
-                if out.error is not None:
-                    self._forget(out.request_id)
+            while self.engine.has_unfinished_requests():
+                self._handle(self.engine.step())
+                self.steps_are_bounded_by_work()
             for rid in self.sessions:
                 view = self.engine.get_session(rid)
                 assert view.status == "PAUSED" and not view.generating
                 ref = hf_last_logits(hf, list(view.token_ids))
                 torch.testing.assert_close(self.engine.get_logits(rid), ref, atol=1e-4, rtol=0)
                 self.engine.close(rid)
+                self.checked += 1
             assert self.engine.kv_pool_all_free
+            totals["checked"] += self.checked
 
+    totals = {"checked": 0}
     Sessions.TestCase.settings = settings(
-        max_examples=15, stateful_step_count=20, deadline=None,
+        max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
         suppress_health_check=[HealthCheck.too_slow],
     )
     Sessions.TestCase().runTest()
+    assert totals["checked"] >= EXAMPLES  # logits were really compared, about one per example
