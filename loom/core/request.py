@@ -80,6 +80,12 @@ class Request:
     max_computed_tokens: int = 0
     # Tentative tokens at the end of token_ids (speculative decoding); 0 outside a step.
     num_draft_tokens: int = 0
+    # Prefix caching: keys of the first full blocks of token_ids (`loom.core.block_hash`),
+    # filled lazily by the KV cache manager; `truncate` drops those of blocks losing a token.
+    block_hashes: list[bytes] = field(default_factory=list)
+    hash_block_size: int = 0
+    # Tokens up to which prefix-cache queries were counted (hit-rate statistics).
+    num_cache_queried_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -134,3 +140,6 @@ class Request:
         del self.token_ids[num_tokens:]
         self.num_computed_tokens = min(self.num_computed_tokens, num_tokens)
         self.max_computed_tokens = min(self.max_computed_tokens, num_tokens)
+        self.num_cache_queried_tokens = min(self.num_cache_queried_tokens, num_tokens)
+        if self.block_hashes:
+            del self.block_hashes[num_tokens // self.hash_block_size :]

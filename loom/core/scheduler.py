@@ -26,6 +26,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     num_kv_blocks: int = 1024
     block_size: int = 16
+    enable_prefix_caching: bool = True
 
 
 class Scheduler:
@@ -39,7 +40,9 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.kv = KVCacheManager(config.num_kv_blocks, config.block_size)
+        self.kv = KVCacheManager(
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.idle: dict[str, Request] = {}
@@ -64,6 +67,7 @@ class Scheduler:
         """Remove a request wherever it is, free its blocks and set its terminal status."""
         request = self.requests.pop(request_id)
         self._detach(request)
+        self.kv.cache_blocks(request, request.num_computed_tokens)
         self.kv.free(request_id)
         request.status = status
         return request
@@ -94,6 +98,10 @@ class Scheduler:
         else:
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block hash; returns how many were dropped."""
+        return self.kv.reset_prefix_cache()
 
     def truncate(self, request: Request, num_tokens: int) -> None:
         """Drop tokens past `num_tokens` and the blocks that no longer hold any of them."""
@@ -127,8 +135,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_uncomputed_tokens, budget)
-            if num_new == 0 or not self._admit(request, request.num_computed_tokens + num_new, out):
+            num_new = self._admit(request, budget, out)
+            if num_new == 0:
                 break  # FIFO: do not let later requests overtake the head
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -168,15 +176,14 @@ class Scheduler:
         excess = request.num_uncomputed_tokens - budget
         if excess > 0:
             request.discard_draft_tokens(excess)
-        num_new = min(request.num_uncomputed_tokens, budget)
-        while not self.kv.allocate_slots(
-            request.request_id, request.num_computed_tokens + num_new
-        ):
+        cached = self.kv.find_cached_blocks(request)
+        num_new = self._chunk_length(request, cached, budget)
+        while not self._allocate(request, num_new, cached):
             if request.num_draft_tokens:
                 num_new -= request.num_draft_tokens
                 request.discard_draft_tokens()
                 continue
-            if not self._can_ever_fit(request, request.num_computed_tokens + num_new, out):
+            if not self._can_ever_fit(request, num_new, cached, out):
                 return 0  # preempting anyone (itself included) would only repeat forever
             victim = self._pick_victim(request, scheduled)
             self._preempt(victim, out)
@@ -184,23 +191,45 @@ class Scheduler:
                 return 0
         return num_new
 
-    def _admit(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
-        """Allocate for a waiting request, evicting idle sessions and newer waiting requests'
-        blocks (never running requests)."""
-        if self.kv.allocate_slots(request.request_id, num_tokens):
-            return True
-        if not self._can_ever_fit(request, num_tokens, out):
-            return False
-        while not self.kv.allocate_slots(request.request_id, num_tokens):
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+        """Allocate for the waiting request's first chunk, evicting idle sessions and newer
+        waiting requests' blocks (never running requests); returns its length (0: not now)."""
+        cached = self.kv.find_cached_blocks(request)
+        num_new = self._chunk_length(request, cached, budget)
+        if num_new <= 0:
+            return 0
+        if self._allocate(request, num_new, cached):
+            return num_new
+        if not self._can_ever_fit(request, num_new, cached, out):
+            return 0
+        while not self._allocate(request, num_new, cached):
             victim = self._idle_victim() or self._waiting_victim(request)
             if victim is None:
-                return False
+                return 0
             self._preempt(victim, out)
+        return num_new
+
+    def _chunk_length(self, request: Request, cached: list[int], budget: int) -> int:
+        """Tokens the next chunk computes: those after the cached blocks, within the budget."""
+        start = request.num_computed_tokens + len(cached) * self.config.block_size
+        return min(request.num_tokens - start, budget)
+
+    def _allocate(self, request: Request, num_new: int, cached: list[int]) -> bool:
+        """Take the cached blocks and blocks for `num_new` tokens after them, all or nothing;
+        on success the frontier moves past the cached blocks (their K/V is already there)."""
+        start = request.num_computed_tokens + len(cached) * self.config.block_size
+        if not self.kv.allocate_slots(request.request_id, start + num_new, cached, start):
+            return False
+        self.kv.count_query(request)
+        if cached:
+            request.advance_frontier(start)
         return True
 
-    def _can_ever_fit(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
-        """Whether the request could ever hold `num_tokens` slots; if not, report it in
-        `out.unschedulable` for the engine to fail.
+    def _can_ever_fit(
+        self, request: Request, num_new: int, cached: list[int], out: SchedulerOutput
+    ) -> bool:
+        """Whether the request could ever hold the slots of its next `num_new` tokens after
+        the `cached` blocks; if not, report it in `out.unschedulable` for the engine to fail.
 
         Every block can be freed for it by preemption or eviction except those of pinned idle
         sessions (blocks it shares with them are already its own). Without this check a
@@ -211,8 +240,9 @@ class Scheduler:
         for idle in self.idle.values():
             if idle.pinned:
                 pinned.update(self.kv.block_ids(idle.request_id))
-        shared = len(pinned.intersection(self.kv.block_ids(request.request_id)))
-        needed = cdiv(num_tokens, self.config.block_size) - shared
+        own = [*self.kv.block_ids(request.request_id), *cached]
+        num_tokens = request.num_computed_tokens + len(cached) * self.config.block_size + num_new
+        needed = cdiv(num_tokens, self.config.block_size) - len(pinned.intersection(own))
         available = self.config.num_kv_blocks - len(pinned)
         if needed <= available:
             return True
@@ -248,8 +278,10 @@ class Scheduler:
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         """Drop the victim's K/V; it recomputes everything when scheduled again."""
         victim.discard_draft_tokens()
+        self.kv.cache_blocks(victim, victim.num_computed_tokens)
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
+        victim.num_cache_queried_tokens = 0
         self.num_preemptions += 1
         out.preempted_request_ids.append(victim.request_id)
         if victim.request_id in self.idle:
@@ -269,3 +301,5 @@ class Scheduler:
                 continue
             request.num_computed_tokens = chunk.end_pos
             request.max_computed_tokens = max(request.max_computed_tokens, chunk.end_pos)
+            # Drafts are hashed only once verified: the next step's frontier covers them.
+            self.kv.cache_blocks(request, chunk.end_pos - chunk.num_draft_tokens)

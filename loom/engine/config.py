@@ -23,6 +23,9 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 1.0
     block_size: int = 16
+    # Full KV blocks are kept (hashed by their tokens) after their request ends and shared by
+    # later requests, appended fragments and recomputes that start with the same tokens.
+    enable_prefix_caching: bool = True
     max_model_len: int | None = None
     seed: int = 0
     session_ttl_s: float | None = 3600.0

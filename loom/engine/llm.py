@@ -30,6 +30,10 @@ class LLM:
         """The engine's tokenizer."""
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached KV block (see `LLMEngine.reset_prefix_cache`)."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

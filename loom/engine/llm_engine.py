@@ -19,6 +19,7 @@ from loom.engine.resolve import build_engine_parts
 from loom.engine.sequence import SequenceState
 from loom.engine.session_ops import SessionOps
 from loom.engine.speculation import Speculator
+from loom.engine.stats import EngineStats
 from loom.engine.token_ops import TokenOps
 from loom.engine.tree_ops import TreeOps
 from loom.errors import (
@@ -259,14 +260,14 @@ class LLMEngine(SessionOps, TreeOps, TokenOps):
                     f"{item.blocks_needed} KV blocks but only {item.blocks_available} of "
                     f"{total} can ever be free for it; the rest are held by pinned sessions"
                 )
-        if sched_out.is_empty and not errors and not self.scheduler.running:
-            if self.scheduler.waiting:
-                group = self._seqs[self.scheduler.waiting[0].request_id].group_id
-                errors[group] = (
-                    f"request {group!r} cannot be scheduled: it needs more KV blocks than are "
-                    f"free ({self.num_free_blocks} of {total}); the rest are held by pinned "
-                    "sessions or blocked sequences"
-                )
+        stuck = sched_out.is_empty and not errors and not self.scheduler.running
+        if stuck and self.scheduler.waiting:
+            group = self._seqs[self.scheduler.waiting[0].request_id].group_id
+            errors[group] = (
+                f"request {group!r} cannot be scheduled: it needs more KV blocks than are "
+                f"free ({self.num_free_blocks} of {total}); the rest are held by pinned "
+                "sessions or blocked sequences"
+            )
         outputs = []
         for group, error in errors.items():
             if group not in self._groups:
@@ -334,3 +335,27 @@ class LLMEngine(SessionOps, TreeOps, TokenOps):
     def kv_pool_all_free(self) -> bool:
         """True when no request holds any KV block (the leak check)."""
         return self.scheduler.kv.pool.all_free
+
+    @property
+    def stats(self) -> EngineStats:
+        """A snapshot of the engine's counters (steps, preemptions, KV pool, prefix cache,
+        speculative decoding)."""
+        kv, spec = self.scheduler.kv, self.speculator
+        return EngineStats(
+            num_steps=self.num_steps,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_recomputed_tokens=self.scheduler.num_recomputed_tokens,
+            num_kv_blocks=kv.pool.num_blocks,
+            num_free_kv_blocks=kv.num_free_blocks,
+            num_cached_kv_blocks=kv.pool.num_cached_blocks,
+            num_evicted_kv_blocks=kv.pool.num_evictions,
+            prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits,
+            num_draft_tokens=spec.num_drafted if spec else 0,
+            num_accepted_draft_tokens=spec.num_accepted if spec else 0,
+        )
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached KV block hash (running requests keep their KV); later requests
+        compute their prompts afresh. Returns how many blocks were forgotten."""
+        return self.scheduler.reset_prefix_cache()

@@ -129,6 +129,7 @@ def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tok
         max_num_seqs=args.max_num_seqs,
         num_kv_blocks=num_blocks,
         block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
     config = EngineConfig(
         model_path=model_path,

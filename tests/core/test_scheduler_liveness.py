@@ -28,7 +28,7 @@ def pinned_session(s: Scheduler, rid: str, num_tokens: int) -> Request:
 def test_running_request_that_outgrows_the_unpinned_pool_is_reported_not_preempted():
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=16, num_kv_blocks=6, block_size=4))
     pinned_session(s, "pinned", 16)  # 4 of the 6 blocks, never evictable
-    s.add_request(Request("r", list(range(6))))
+    s.add_request(Request("r", list(range(100, 106))))
     out = run_step(s)  # 2 blocks: the whole pool is in use
     assert [c.request_id for c in out.chunks] == ["r"]
     for _ in range(2):
@@ -46,11 +46,11 @@ def test_running_request_that_outgrows_the_unpinned_pool_is_reported_not_preempt
 def test_waiting_request_too_big_beside_pinned_sessions_is_reported_and_evicts_nobody():
     s = Scheduler(SchedulerConfig(max_num_batched_tokens=32, num_kv_blocks=6, block_size=4))
     pinned_session(s, "pinned", 12)  # 3 blocks
-    unpinned = Request("idle", list(range(4)))
+    unpinned = Request("idle", list(range(50, 54)))
     s.add_request(unpinned)
     run_step(s)
     s.park(unpinned, RequestStatus.PAUSED)
-    s.add_request(Request("big", list(range(16))))  # 4 blocks, 3 can ever be free
+    s.add_request(Request("big", list(range(100, 116))))  # 4 blocks, 3 can ever be free
     out = s.schedule()
     assert [(u.request_id, u.blocks_needed, u.blocks_available) for u in out.unschedulable] == [
         ("big", 4, 3)
