@@ -3,8 +3,9 @@
 Many sessions and plain requests go through random operations: open, prefill (with or
 without a new segment), resume, rewind, step, close, abort, and a check of a paused
 session's stored logits against a fresh forward pass. At the end every session's stored
-logits equal a fresh forward pass over its tokens, closing everything leaves the pool fully
-free, and the whole run took a number of engine steps bounded by its work (liveness).
+logits equal a fresh forward pass over its tokens (sessions sharing prefixes go through the
+prefix cache), closing everything leaves the pool fully free, and the whole run took a
+number of engine steps bounded by its work (liveness).
 
 `LOOM_STATEFUL_EXAMPLES` / `LOOM_STATEFUL_STEPS` raise the search (defaults 25 x 40).
 """
@@ -68,6 +69,19 @@ def test_stateful_sessions(tiny_qwen):
 
         @rule(prompt=TOKENS, params=st.one_of(st.none(), GEN), pin=st.booleans())
         def open_session(self, prompt, params, pin):
+            rid = self._new_id("s")
+            self.engine.add_request(rid, prompt, params, session=True, pin=pin)
+            self.sessions.append(rid)
+            self._give(len(prompt), params)
+
+        @precondition(lambda self: self.sessions)
+        @rule(data=st.data(), suffix=TOKENS, params=st.one_of(st.none(), GEN), pin=st.booleans())
+        def open_sharing_session(self, data, suffix, params, pin):
+            """A session whose prompt repeats a prefix of another's tokens (a prefix-cache hit
+            when those blocks are computed, or still cached after the other moved on)."""
+            other = self.engine.get_session(data.draw(st.sampled_from(self.sessions))).token_ids
+            keep = data.draw(st.integers(1, len(other)))
+            prompt = [*other[:keep], *suffix][:90]
             rid = self._new_id("s")
             self.engine.add_request(rid, prompt, params, session=True, pin=pin)
             self.sessions.append(rid)
@@ -181,11 +195,13 @@ def test_stateful_sessions(tiny_qwen):
                 self.checked += 1
             assert self.engine.kv_pool_all_free
             totals["checked"] += self.checked
+            totals["hits"] += self.engine.stats.prefix_cache_hits
 
-    totals = {"checked": 0}
+    totals = {"checked": 0, "hits": 0}
     Sessions.TestCase.settings = settings(
         max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
         suppress_health_check=[HealthCheck.too_slow],
     )
     Sessions.TestCase().runTest()
     assert totals["checked"] >= EXAMPLES  # logits were really compared, about one per example
+    assert totals["hits"] > 0  # and some of them after prefix-cache hits
