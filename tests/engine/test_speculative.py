@@ -6,6 +6,8 @@ pattern; random-weight models also fall into cycles, which drafts then follow.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from engine.helpers import make_engine, prompt_ids, run_to_completion
@@ -34,6 +36,23 @@ def generate(engine, params, prompts=PROMPTS):
     return [outs[str(i)].outputs[0] for i in range(len(prompts))]
 
 
+def record_steps(engine) -> list[tuple[list[int], list[int], int]]:
+    """Wraps the engine's token appending: per sequence and step, (its drafts, the tokens
+    kept by verification, how many of them were taken before a stop)."""
+    steps = []
+    advance = engine._advance
+
+    def recording(seq, tokens, num_drafts, *args):
+        request = seq.request
+        drafts = request.token_ids[request.num_tokens - num_drafts :] if num_drafts else []
+        taken = advance(seq, tokens, num_drafts, *args)
+        steps.append((list(drafts), list(tokens), taken))
+        return taken
+
+    engine._advance = recording
+    return steps
+
+
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_greedy_with_drafts_equals_transformers(tiny_models, arch):
     folder, hf = tiny_models[arch]
@@ -46,33 +65,104 @@ def test_greedy_with_drafts_equals_transformers(tiny_models, arch):
 
 
 def test_seeded_sampling_and_logprobs_are_unchanged_by_drafts(tiny_models):
+    """Seeded samples and logprobs equal plain decoding's, with drafts partly accepted."""
     folder, _ = tiny_models["qwen2"]
-    params = SamplingParams(temperature=0.7, top_p=0.95, seed=7, max_tokens=30, logprobs=2,
+    # The tiny model's logits are nearly flat: at temperature 0.01 the seeded draws still
+    # choose between close tokens, yet the model follows its cycles often enough to accept
+    # drafts (at 0.7 every draft is rejected).
+    params = SamplingParams(temperature=0.01, top_p=0.95, seed=7, max_tokens=30, logprobs=2,
                             ignore_eos=True)
     # One sequence alone, so both engines take the same (fused) path for every position.
-    for prompt in PROMPTS[:2]:
+    for prompt in (PROMPTS[0], PROMPTS[2]):
         plain = generate(make_engine(folder), params, [prompt])[0]
         engine = make_engine(folder, speculative_config=SPEC)
+        steps = record_steps(engine)
         spec = generate(engine, params, [prompt])[0]
         assert spec.token_ids == plain.token_ids
         assert spec.logprobs == plain.logprobs
-        assert engine.speculator.num_drafted > 0
+        assert engine.speculator.num_accepted > 0
+        # A step kept several rows and dropped others: the generator was rewound past them.
+        assert any(2 <= taken <= len(drafts) for drafts, _, taken in steps)
+    # The draws decide tokens: another seed samples another output.
+    other_seed = generate(make_engine(folder), replace(params, seed=8), [prompt])[0]
+    assert other_seed.token_ids != plain.token_ids
 
 
-def test_stop_conditions_cut_inside_accepted_drafts(tiny_models):
-    folder, _ = tiny_models["llama"]
-    base = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    plain = generate(make_engine(folder), base, PROMPTS[:1])[0].token_ids
-    stop_token = plain[9]
-    for params in (
-        SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop_token]),
-        SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True),
-    ):
-        want = generate(make_engine(folder), params, PROMPTS[:1])[0]
-        got = generate(make_engine(folder, speculative_config=SPEC), params, PROMPTS[:1])[0]
-        assert (got.token_ids, got.finish_reason, got.stop_reason) == (
-            want.token_ids, want.finish_reason, want.stop_reason)
-    assert len(got.token_ids) == 13
+@pytest.mark.parametrize(
+    ("penalty", "prompt"),
+    [
+        ({"repetition_penalty": 0.8}, PROMPTS[0]),  # below 1: seen tokens are favoured
+        ({"presence_penalty": 0.01}, PROMPTS[1]),
+        ({"frequency_penalty": 0.01}, PROMPTS[3]),
+    ],
+    ids=["repetition", "presence", "frequency"],
+)
+def test_penalties_with_drafts_equal_plain_decoding(tiny_models, penalty, prompt):
+    """A draft row is penalised as if the drafts before it had been generated."""
+    folder, _ = tiny_models["qwen2"]
+    # Penalties apply before the temperature: 0.01 moves a logit by one at temperature 0.01.
+    params = SamplingParams(temperature=0.01, seed=7, max_tokens=30, logprobs=2,
+                            ignore_eos=True, **penalty)
+    plain = generate(make_engine(folder), params, [prompt])[0]
+    engine = make_engine(folder, speculative_config=SPEC)
+    steps = record_steps(engine)
+    spec = generate(engine, params, [prompt])[0]
+    assert (spec.token_ids, spec.logprobs) == (plain.token_ids, plain.logprobs)
+    assert engine.speculator.num_accepted > 0
+    assert any(2 <= taken <= len(drafts) for drafts, _, taken in steps)
+
+
+# At most eight drafts: a sequence's first step with drafts already carries four.
+LONG_SPEC = {**SPEC, "num_speculative_tokens": 8}
+
+
+def cycle_prompt(folder) -> list[int]:
+    """A prompt ending inside the model's own greedy cycle (t1 t2 t3 t1 t2 t3 ...), so that
+    drafts copy the cycle from the prompt: the step after the first token drafts tokens
+    the segment has not generated yet, and all of them are accepted."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    return PROMPTS[1] + generate(make_engine(folder), greedy, PROMPTS[1:2])[0].token_ids
+
+
+@pytest.mark.parametrize("kind", ["stop_token", "stop_string"])
+def test_stop_conditions_cut_inside_accepted_drafts(tiny_models, kind):
+    """The stop lands on a verified draft inside a run; the accepted drafts after it go."""
+    folder, _ = tiny_models["qwen3"]
+    prompt = cycle_prompt(folder)
+    stop_token = prompt[-1]  # generated third: the second token of the first run of drafts
+    engine = make_engine(folder, speculative_config=LONG_SPEC)
+    steps = record_steps(engine)
+    stop = (
+        {"stop_token_ids": [stop_token]}
+        if kind == "stop_token"
+        else {"stop": [engine.tokenizer.decode([stop_token])]}
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, **stop)
+    want = generate(make_engine(folder), params, [prompt])[0]
+    got = generate(engine, params, [prompt])[0]
+    assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+        want.token_ids, want.text, want.finish_reason, want.stop_reason)
+    assert got.finish_reason == "stop" and got.token_ids[-1] == stop_token
+    drafts, tokens, taken = steps[-1]
+    # The stop token was the taken-th draft, verified after another one, and the draft
+    # after it was verified too: kept by verification, then dropped by the stop.
+    assert taken >= 2 and tokens[taken - 1] == stop_token
+    assert tokens[: taken + 1] == drafts[: taken + 1]
+
+
+def test_max_tokens_caps_drafts_so_the_limit_ends_a_step(tiny_models):
+    """max_tokens never cuts inside drafts: the proposer drafts only the tokens left."""
+    folder, _ = tiny_models["qwen3"]
+    prompt = cycle_prompt(folder)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    want = generate(make_engine(folder), params, [prompt])[0]
+    engine = make_engine(folder, speculative_config=LONG_SPEC)
+    steps = record_steps(engine)
+    got = generate(engine, params, [prompt])[0]
+    assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
+    assert len(got.token_ids) == 4 and got.finish_reason == "length"
+    # After the first token, four drafts were allowed but two fit: all accepted, all taken.
+    assert steps[-1] == (got.token_ids[1:3], got.token_ids[1:], 3)
 
 
 def test_session_with_drafts_equals_fresh_forward(tiny_models):
