@@ -4,7 +4,9 @@
 is grown through `--contexts` (each step: a short generated fill, then filler text up to the
 exact length). At each length every session gets a live append of `--append-tokens` tokens
 (timed until its logits are ready, then rewound so the length stays exact), and the same
-text is re-submitted once as a fresh request (the cost without sessions). The peers do what
+text is re-submitted once as a fresh request: with the prefix cache on it finds the
+session's blocks (a cache hit), with it off (a second engine) it computes everything (the
+cost without sessions or a cache). The peers do what
 a session does with their own cache: HF transformers forwards only the new tokens with
 `past_key_values` (its `DynamicCache`), llama.cpp evaluates them on its existing context.
 A live append costs O(k) work plus attention over the context, so its time should stay
@@ -25,8 +27,10 @@ MADLIBS = "Once upon a time, in a kingdom called"
 FILL_TOKENS = 4
 
 
-def run_loom(engine: Any, args: Any, streams: list[list[int]], append: list[int]) -> dict:
-    """Grow every session through the contexts; time live appends and re-submits."""
+def run_loom(engine: Any, uncached: Any, args: Any, streams: list[list[int]],
+             append: list[int]) -> dict:
+    """Grow every session through the contexts; time live appends and re-submits (to the
+    same engine, a prefix-cache hit, and to `uncached`, an engine without the cache)."""
     from loom import SamplingParams
 
     fill = SamplingParams(temperature=0.0, max_tokens=FILL_TOKENS, ignore_eos=True)
@@ -57,11 +61,12 @@ def run_loom(engine: Any, args: Any, streams: list[list[int]], append: list[int]
                                "live_ms_all": [round(t, 2) for t in live]}
         if args.resubmit_max is None or n_ctx <= args.resubmit_max:
             full = list(engine.get_session(sids[0]).token_ids) + append
-            start = c.now()
-            engine.add_request(f"resubmit-{n_ctx}", full, session=True)
-            c.settle(engine)
-            row["resubmit_ms"] = round((c.now() - start) * 1e3, 2)
-            engine.close(f"resubmit-{n_ctx}")
+            for key, target in (("resubmit_ms", uncached), ("resubmit_cached_ms", engine)):
+                start = c.now()
+                target.add_request(f"resubmit-{n_ctx}", full, session=True)
+                c.settle(target)
+                row[key] = round((c.now() - start) * 1e3, 2)
+                target.close(f"resubmit-{n_ctx}")
             row["live_over_resubmit"] = c.ratio(row["live_ms"], row["resubmit_ms"])
         row["num_recomputed_tokens"] = engine.num_recomputed_tokens
         out[str(n_ctx)] = row
@@ -143,6 +148,9 @@ def main() -> None:
         quantization = None if mode == "default" else mode
         engine = c.make_engine(args, num_kv_blocks=blocks, max_model_len=max_len + 64,
                                quantization=quantization)
+        uncached = c.make_engine(args, num_kv_blocks=max_len // 16 + 16,
+                                 max_model_len=max_len + 64, quantization=quantization,
+                                 enable_prefix_caching=False)
         if mode == "default":
             dtype = engine.config.dtype
             tok = engine.tokenizer
@@ -152,10 +160,10 @@ def main() -> None:
             append = c.prompt_token_ids(tok, args.append_tokens + 1, seed=7)[1:]
         c.log(f"loom {mode}")
         results["loom" if quantization is None else f"loom {mode}"] = run_loom(
-            engine, args, streams, append
+            engine, uncached, args, streams, append
         )
         assert engine.kv_pool_all_free, "sessions leaked KV blocks"
-        del engine
+        del engine, uncached
 
     hf = c.load_hf(args.model, dtype, disabled=args.no_hf)
     if hf is None:
@@ -194,10 +202,12 @@ def render(result: dict[str, Any]) -> str:
             lm = res[label][n]
             name = f"{label} {result['dtype']}" if label == "loom" else label
             rows.append([n, name, lm["live_ms"], lm.get("resubmit_ms"),
+                         lm.get("resubmit_cached_ms"),
                          lm.get("live_over_resubmit"), hf, lc, c.ratio(lm["live_ms"], hf),
                          c.ratio(lm["live_ms"], lc)])
     table = c.markdown_table(
-        ["context", "Loom", "live append ms", "re-submit ms", "live/re-submit",
+        ["context", "Loom", "live append ms", "re-submit ms (no cache)",
+         "re-submit ms (prefix cache hit)", "live/re-submit",
          "HF DynamicCache append ms", "llama.cpp append ms", "Loom/HF time",
          "Loom/llama.cpp time"],
         rows,
@@ -207,7 +217,9 @@ def render(result: dict[str, Any]) -> str:
     return (f"{table}\n\nAppends of {result['append_tokens']} tokens, times in ms (lower is "
             "better; time ratios below 1 favour Loom). Loom's live append grows "
             f"{fmt_x(growth)} from the shortest to the longest context; `live/re-submit` is "
-            "the share of a fresh request's cost that a live append pays. Each Loom append is "
+            "the share of a fresh request's cost (without the prefix cache) that a live "
+            "append pays; with the cache a re-submission finds the session's full blocks and "
+            "computes only the last partial block and the new tokens. Each Loom append is "
             "rewound afterwards (`rewind` recomputes one token, counted in the JSON's "
             f"`num_recomputed_tokens`).{notes}\n\n![sessions](bench_sessions.png)")
 

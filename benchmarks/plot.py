@@ -70,7 +70,9 @@ def plot_sessions(plt: Any, result: dict[str, Any]) -> Path:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     series = [
         (f"Loom {result.get('dtype', '')} live append", res["loom"], "live_ms"),
-        (f"Loom {result.get('dtype', '')} re-submit (new request)", res["loom"], "resubmit_ms"),
+        (f"Loom {result.get('dtype', '')} re-submit (no cache)", res["loom"], "resubmit_ms"),
+        (f"Loom {result.get('dtype', '')} re-submit (prefix cache hit)", res["loom"],
+         "resubmit_cached_ms"),
         *[(f"{k} live append", v, "live_ms") for k, v in res.items()
           if k.startswith("loom ")],
         ("HF DynamicCache append", res.get("transformers"), "append_ms"),

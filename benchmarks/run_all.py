@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ["latency", "throughput", "sessions", "hooks", "quality", "speculative"]
+BENCHMARKS = ["latency", "throughput", "sessions", "hooks", "quality", "speculative", "prefix"]
 
 
 def main() -> int:
