@@ -91,14 +91,25 @@ def tiny_hf_config(arch: str):
     raise ValueError(arch)
 
 
-def build_tiny_model(arch: str, folder: Path, seed: int = 0):
-    """Save a random-weight transformers model plus the tiny tokenizer into `folder`."""
+def build_tiny_model(arch: str, folder: Path, seed: int = 0, qk_gain: float = 1.0):
+    """Save a random-weight transformers model plus the tiny tokenizer into `folder`.
+
+    `qk_gain` multiplies the q/k projections: at the default init (std 0.02) attention is
+    nearly uniform and Llama and Qwen2 see token order weakly (swapping two tokens moves the
+    logits by ~2e-3); a gain of 8 gives attention scores of order one (~5e-2). Gemma 3 and
+    Qwen3 normalise q and k: for them the gain changes nothing.
+    """
     import transformers as tf
 
     build_tiny_tokenizer(folder)
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(tiny_hf_config(arch), dtype=torch.float32)
     model.eval()
+    if qk_gain != 1.0:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("q_proj.weight", "k_proj.weight")):
+                    p.mul_(qk_gain)
     model.save_pretrained(str(folder))
     return model
 

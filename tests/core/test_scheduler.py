@@ -59,11 +59,19 @@ def test_preemption_frees_newest_and_recomputes():
     s = make(budget=64, blocks=4, block_size=4)
     s.add_request(Request("old", list(range(7))))
     s.add_request(Request("new", list(range(7))))
-    run_step(s)  # both fit: 2 blocks each
-    for _ in range(3):
-        run_step(s)  # needs a third block for one of them -> preempt "new"
-    assert s.num_preemptions >= 1
-    assert s.requests["new"].status in (RequestStatus.PREEMPTED, RequestStatus.RUNNING)
+    run_step(s)  # both fit: 2 blocks each, 8 tokens (7 + 1 sampled)
+    out = run_step(s)  # both decode into their second block: 9 tokens each
+    assert not out.preempted_request_ids
+    # old's decode needs a third block, the pool is full: the newest running request goes.
+    out = run_step(s)
+    assert out.preempted_request_ids == ["new"]
+    assert [c.request_id for c in out.chunks] == ["old"]
+    new = s.requests["new"]
+    assert new.status == RequestStatus.PREEMPTED and new.num_computed_tokens == 0
+    assert not s.kv.holds_blocks("new") and len(s.kv.block_ids("old")) == 3
+    out = run_step(s)  # old keeps decoding; new cannot fit back (3 blocks, 1 free)
+    assert [c.request_id for c in out.chunks] == ["old"] and not out.preempted_request_ids
+    assert s.num_preemptions == 1 and new.status == RequestStatus.PREEMPTED
     s.finish("old", RequestStatus.FINISHED_STOPPED)
     for _ in range(3):
         run_step(s)

@@ -9,12 +9,28 @@ from tiny_reference import GEMMA_NEW_TOKENS as NEW_TOKENS
 from tiny_reference import GEMMA_PROMPTS as PROMPTS
 
 from loom import SamplingParams
+from loom.engine.hooks import HookContext, SequenceHook
+from loom.engine.promise_sync import join_with_newlines
 
 
 @pytest.fixture(scope="module")
 def engine(gemma_engine):
     yield gemma_engine
     assert gemma_engine.kv_pool_all_free
+
+
+def assert_greedy_matches(engine, completion, expected: list[int], context: str) -> None:
+    """A completion equals transformers' greedy tokens and ended for a stated reason: all
+    NEW_TOKENS tokens ("length"), or an end-of-sequence token ("stop"), never cut short."""
+    got = completion.token_ids
+    assert got, context
+    if completion.finish_reason == "length":
+        assert len(got) == NEW_TOKENS and got == expected, context
+    else:
+        assert completion.finish_reason == "stop", context
+        assert got[-1] in engine.eos_token_ids and len(got) <= NEW_TOKENS, context
+        # transformers stops at the EOS ids its generation config names, which may be fewer.
+        assert got == expected[: len(got)], context
 
 
 def test_greedy_continuations_equal_transformers(engine, gemma_hf):
@@ -27,11 +43,7 @@ def test_greedy_continuations_equal_transformers(engine, gemma_hf):
         ids = torch.tensor([out.prompt_token_ids])
         with torch.no_grad():
             ref = gemma_hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-        expected = ref[0, ids.shape[1] :].tolist()
-        got = out.outputs[0].token_ids
-        assert got == expected[: len(got)] and len(got) <= len(expected), prompt
-        if out.outputs[0].finish_reason == "length":
-            assert len(got) == NEW_TOKENS
+        assert_greedy_matches(engine, out.outputs[0], ref[0, ids.shape[1] :].tolist(), prompt)
 
 
 def test_prompt_tokens_equal_transformers_tokenizer(engine, gemma_hf_tokenizer):
@@ -66,16 +78,62 @@ def test_heal_retokenizes_across_the_boundary(engine):
     engine.close("h")
 
 
-def test_fork_join_scene_shares_kv_and_equals_fresh_forward(engine, gemma_hf):
-    from loom.demo_fork import run_fork_join
+class ForkSpy(SequenceHook):
+    """At each child's first sampled token: its chunk, its block table and reference counts,
+    and its parent's block table (read from the engine during that step)."""
 
-    out, script = run_fork_join(engine, "outline-test", close=False)
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.first: dict[str, tuple[int, int, list[int], list[int], list[int]]] = {}
+
+    def on_token(self, ctx: HookContext, seq_id: str, token_id: int) -> None:
+        """Record a child's state the first time it samples."""
+        parent = ctx.parent(seq_id)
+        if parent is None or seq_id in self.first:
+            return
+        kv = self.engine.scheduler.kv
+        (chunk,) = [c for c in self.engine.last_scheduler_output.chunks if c.request_id == seq_id]
+        table = list(kv.block_ids(seq_id))
+        refs = [kv.pool.ref_count(b) for b in table]
+        self.first[seq_id] = (chunk.start_pos, len(chunk.token_ids), table,
+                              list(kv.block_ids(parent)), refs)
+
+
+def test_fork_join_scene_shares_kv_and_equals_fresh_forward(engine, gemma_hf):
+    from loom.demo_fork import SYNC, run_fork_join
+
+    spy = ForkSpy(engine)
+    engine.hooks.append(spy)
+    try:
+        out, script = run_fork_join(engine, "outline-test", close=False)
+    finally:
+        engine.hooks.remove(spy)
     assert len(out.children) == 3 and all(c.finished for c in out.children)
+    # Each child reused its parent's K/V: its first step computed only its <promise>, and its
+    # table starts with the parent's full blocks (referenced by both), then a private copy
+    # of the parent's partial block.
+    assert set(spy.first) == {c.request_id for c in out.children}
+    block_size = engine.scheduler.kv.block_size
+    for child in out.children:
+        start, num_computed, table, parent_table, refs = spy.first[child.request_id]
+        forked_at = len(child.prompt_token_ids) - 1  # the parent's K/V up to its <promise>
+        assert (start, num_computed) == (forked_at, 1)
+        shared = forked_at // block_size
+        assert shared >= 1 and table[:shared] == parent_table[:shared]
+        assert all(r >= 2 for r in refs[:shared])
+        if forked_at % block_size:
+            assert table[shared] not in parent_table and refs[shared] == 1
     ids = list(engine.get_session("outline-test").token_ids)
     tok = engine.tokenizer
-    text = tok.decode(ids)
-    for child in out.children:  # every expansion is merged into the parent's text
-        assert child.outputs[0].text.strip()[:20] in text
+    # Every child wrote text, and the join appended exactly the merged texts after <sync>.
+    texts = [child.outputs[0].text for child in out.children]
+    assert all(text.strip() for text in texts), texts
+    sync_at = ids.index(tok.token_to_id(SYNC))
+    merged = tok.encode(join_with_newlines(texts), add_special_tokens=False)
+    assert ids[sync_at + 1 : sync_at + 1 + len(merged)] == merged
+    after_sync = tok.decode(ids[sync_at + 1 :])
+    for text in texts:
+        assert text.strip() in after_sync
     with torch.no_grad():
         ref = gemma_hf(torch.tensor([ids])).logits[0, -1].float()
         torch.testing.assert_close(engine.get_logits("outline-test"), ref, atol=2e-3, rtol=1e-3)
@@ -110,8 +168,7 @@ def test_speculative_decoding_equals_transformers_and_fresh_forward(gemma_path, 
         ids = torch.tensor([out.prompt_token_ids])
         with torch.no_grad():
             ref = gemma_hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
-        got = out.outputs[0].token_ids
-        assert got == ref[0, ids.shape[1] :].tolist()[: len(got)], prompt
+        assert_greedy_matches(engine, out.outputs[0], ref[0, ids.shape[1] :].tolist(), prompt)
     assert engine.speculator.num_accepted > 0
     engine.add_request("sess", REPEATING, params, session=True)
     run_to_completion(engine)

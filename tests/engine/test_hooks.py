@@ -69,6 +69,13 @@ def test_promise_sync_tree_equals_fresh_forward(tiny_models):
     outs = run_to_completion(engine)
     out = outs["t"]
     assert len(out.children) == 2 and all(c.finished for c in out.children)
+    # Each child's prompt is the parent's context up to (and including) its own <promise>,
+    # and its logits processor saw that prompt, then the child's 3 tokens, then <sync>.
+    assert [c.prompt_token_ids for c in out.children] == [prompt + [P], prompt + [P, P]]
+    seen_contexts = [t for t, _ in script.seen]
+    for child in out.children:
+        assert len(child.outputs[0].token_ids) == 4 and child.outputs[0].token_ids[3] == S
+        assert child.prompt_token_ids + child.outputs[0].token_ids[:3] in seen_contexts
     ids = list(engine.get_session("t").token_ids)
     # The merged children's text follows <sync>, then the model continues.
     child_texts = [engine.tokenizer.decode(c.outputs[0].token_ids[:-1]) for c in out.children]
@@ -86,9 +93,6 @@ def test_promise_sync_tree_equals_fresh_forward(tiny_models):
             torch.testing.assert_close(logits, hf_last_logits(hf, tokens), atol=1e-4, rtol=0)
             checked += 1
     assert checked >= 10
-    # Children saw the parent's context up to (and including) their <promise>.
-    child_contexts = [t for t, _ in script.seen if t[-1] == P and t[: len(prompt)] == prompt]
-    assert prompt + [P] in child_contexts and prompt + [P, P] in child_contexts
     torch.testing.assert_close(engine.get_logits("t"), hf_last_logits(hf, ids), atol=1e-4,
                                rtol=0)
     engine.close("t")

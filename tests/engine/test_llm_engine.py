@@ -54,7 +54,11 @@ def test_batched_greedy_equals_transformers(tiny_models, arch, limits):
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_prompt_logprobs_match_transformers(tiny_models, arch):
+def test_first_sampled_token_logprobs_match_transformers(tiny_models, arch):
+    """The logprobs of the first sampled token (and the top 3) at the end of the prompt.
+
+    Loom has no `prompt_logprobs`: this is the one position whose logprobs it reports.
+    """
     folder, hf = tiny_models[arch]
     engine = make_engine(folder)
     ids = prompt_ids(17)

@@ -26,6 +26,20 @@ def settle(engine):
     return run_to_completion(engine)
 
 
+def step_until_paused(engine, rid, steps=None):
+    """Step until session `rid` is paused (other requests may go on running); the last output
+    of every request, by id. `steps` collects the request ids of each step's chunks."""
+    last = {}
+    for _ in range(10_000):
+        if engine.get_session(rid).status == "PAUSED":
+            return last
+        for out in engine.step():
+            last[out.request_id] = out
+        if steps is not None:
+            steps.append({c.request_id for c in engine.last_scheduler_output.chunks})
+    raise AssertionError(f"session {rid} never paused")
+
+
 def assert_logits_fresh(engine, hf, rid):
     """The stored logits equal transformers' on the session's tokens, and a fresh Loom request."""
     view = engine.get_session(rid)
@@ -34,7 +48,7 @@ def assert_logits_fresh(engine, hf, rid):
     torch.testing.assert_close(stored, hf_last_logits(hf, list(view.token_ids)), atol=ATOL, rtol=0)
     fresh_id = f"fresh-{rid}-{len(view.token_ids)}"
     engine.add_request(fresh_id, list(view.token_ids), session=True)
-    settle(engine)
+    step_until_paused(engine, fresh_id)
     torch.testing.assert_close(engine.get_logits(fresh_id), stored, atol=ATOL, rtol=0)
     engine.close(fresh_id)
 
@@ -46,32 +60,40 @@ def assert_greedy_consistent(hf, token_ids, generated_ranges):
             assert token_ids[i] == int(hf_last_logits(hf, token_ids[:i]).argmax()), i
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "llama"])
+@pytest.mark.parametrize("arch", ["gemma3", "llama", "qwen3"])
 def test_alternating_session_equals_fresh_forward(tiny_models, arch):
     folder, hf = tiny_models[arch]
     engine = make_engine(folder, max_num_batched_tokens=8)
     engine.add_request("s", prompt_ids(11), GREEDY, session=True)
-    engine.add_request("plain", prompt_ids(30, 5), SamplingParams(max_tokens=40, ignore_eos=True))
+    # A batch partner that decodes through every segment: each prefill and generation of
+    # the session shares its steps with another running request.
+    engine.add_request("plain", prompt_ids(30, 5), SamplingParams(max_tokens=400, ignore_eos=True))
     ranges = []
+    steps: list[set[str]] = []  # the request ids of each step after the first segment
     for k in range(3):
         start = engine.get_session("s").num_prompt_tokens if k == 0 else None
-        out = settle(engine)["s"]
+        out = step_until_paused(engine, "s", steps if k else None)["s"]
         assert not out.finished and out.outputs[0].finish_reason == "length"
-        view = engine.get_session("s")
-        assert view.status == "PAUSED"
+        assert engine.get_session("s").status == "PAUSED"
         if start is not None:
             ranges.append((start, start + 6))
         assert_logits_fresh(engine, hf, "s")
         engine.prefill("s", prompt_ids(5 + 7 * k, 10 + k))  # chunked: budget is 8
-        settle(engine)
+        step_until_paused(engine, "s", steps)
         assert_logits_fresh(engine, hf, "s")
         before = len(engine.get_session("s").token_ids)
         engine.resume("s", GREEDY)
         ranges.append((before, before + 6))
-    settle(engine)
+    out = step_until_paused(engine, "s", steps)["s"]
+    assert out.outputs[0].finish_reason == "length"
+    # Every later segment ran batched with the partner, which is still decoding.
+    session_steps = [ids for ids in steps if "s" in ids]
+    assert len(session_steps) >= 3 * (1 + 6) and all("plain" in ids for ids in session_steps)
+    assert engine.has_unfinished_requests()
     assert_greedy_consistent(hf, list(engine.get_session("s").token_ids), ranges)
     assert engine.num_recomputed_tokens == 0
     engine.close("s")
+    engine.abort_request("plain")
     assert engine.kv_pool_all_free
 
 

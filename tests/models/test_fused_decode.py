@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import TinyModel, chunk
+from tiny_models import PARITY_ATOL, TinyModel, chunk
 
 from loom.kernels import cpu_kernels_available, kernel_status
 from loom.runner import ModelRunner, build_model
@@ -104,7 +104,7 @@ def test_fused_decode_matches_transformers(tiny_model: TinyModel) -> None:
     for p, logits in zip(prompts, got, strict=True):
         # Row j holds the logits after token 7 + j, the reference's row len(p) + j.
         ref = tiny_model.reference_logits(p + [7, 8, 9, 10])[len(p) : len(p) + 4]
-        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits, ref, atol=PARITY_ATOL, rtol=1e-4)
 
 
 def test_fused_decode_follows_a_new_runners_caches(tiny_model: TinyModel) -> None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-from tiny_models import TinyModel, chunk
+from tiny_models import PARITY_ATOL, TinyModel, chunk
 
-ATOL = 1e-4
+ATOL = PARITY_ATOL
 
 
 def _prompt(n: int, seed: int, vocab: int) -> list[int]:

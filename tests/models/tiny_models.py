@@ -12,7 +12,9 @@ import torch
 from loom.core.scheduler_output import ScheduledChunk
 from loom.runner import ModelRunner, build_model
 
-__all__ = ["TINY_BUILDERS", "TinyModel", "blocks_for", "chunk", "load_tiny", "save_tiny"]
+__all__ = [
+    "PARITY_ATOL", "TINY_BUILDERS", "TinyModel", "blocks_for", "chunk", "load_tiny", "save_tiny",
+]
 
 _COMMON: dict[str, Any] = {
     "hidden_size": 64,
@@ -24,6 +26,9 @@ _COMMON: dict[str, Any] = {
     "max_position_embeddings": 256,
     "rms_norm_eps": 1e-6,
 }
+# Loom vs transformers float32 logits (test_hf_parity, test_fused_decode_matches_transformers).
+PARITY_ATOL = 1e-4
+QK_PROJ_GAIN = 8.0  # q/k weights of std 0.16: attention scores of order 1 (see save_tiny)
 
 
 def _gemma3() -> Any:
@@ -99,10 +104,17 @@ def save_tiny(name: str, folder: Path, **save_kwargs: Any) -> Any:
     torch.manual_seed(0)
     model = TINY_BUILDERS[name]().eval()
     model.set_attn_implementation("eager")  # eager honours attention logit softcapping
-    with torch.no_grad():  # Gemma norms start at 0 (=1 + w); make them non-trivial.
+    # Norm weights spread around the identity (Gemma scales by 1 + w, the others by w), and
+    # q/k projections large enough that attention is far from uniform (Gemma and Qwen3
+    # normalise q and k): logits depend on token order, so a RoPE or position bug moves them
+    # far past the parity tolerance (tests/models/test_position_sensitivity.py).
+    identity = 0.0 if name == "gemma3" else 1.0
+    with torch.no_grad():
         for pname, p in model.named_parameters():
             if "norm" in pname:
-                p.normal_(0.0, 0.3)
+                p.normal_(identity, 0.3)
+            elif name in ("llama", "qwen2") and pname.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(QK_PROJ_GAIN)
     model.save_pretrained(folder, **save_kwargs)
     return model
 

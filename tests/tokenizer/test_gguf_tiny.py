@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
@@ -83,8 +84,22 @@ def _sentencepiece_gguf(path: Path) -> Path:
     )  # fmt: skip
 
 
+# transformers builds a tokenizer from a GGUF of architecture "llama" with
+# `transformers.integrations.gguf.get_gguf_tokenizer` from 5.18 on (checked: 5.18 to 5.23):
+# 5.17 accepts only "qwen35" there, and 5.16 has no such module. The test extra pins >= 5.18.
+_TRANSFORMERS_GGUF_TOKENIZER = Version("5.18")
+
+
 def _transformers_backend(path: Path):
-    conv = pytest.importorskip("transformers.integrations.gguf")
+    transformers = pytest.importorskip("transformers")
+    if Version(transformers.__version__) < _TRANSFORMERS_GGUF_TOKENIZER:
+        pytest.skip(
+            f"transformers {transformers.__version__} cannot convert a 'llama' GGUF tokenizer "
+            f"(needs >= {_TRANSFORMERS_GGUF_TOKENIZER}: 5.17 accepts only 'qwen35', 5.16 has no "
+            "transformers.integrations.gguf)"
+        )
+    from transformers.integrations import gguf as conv
+
     architecture, tokenizer_dict, _ = conv.get_gguf_tokenizer(str(path))
     backend, _ = conv.convert_gguf_tokenizer(architecture, tokenizer_dict)
     return backend
