@@ -58,7 +58,7 @@ def test_append_schedules_only_new_tokens_and_keeps_blocks():
 def test_preemption_frees_newest_and_recomputes():
     s = make(budget=64, blocks=4, block_size=4)
     s.add_request(Request("old", list(range(7))))
-    s.add_request(Request("new", list(range(7))))
+    s.add_request(Request("new", list(range(100, 107))))  # nothing shared with "old"
     run_step(s)  # both fit: 2 blocks each, 8 tokens (7 + 1 sampled)
     out = run_step(s)  # both decode into their second block: 9 tokens each
     assert not out.preempted_request_ids
@@ -87,7 +87,7 @@ def test_idle_session_preempted_before_running_requests():
     run_step(s)
     s.truncate(paused, 8)
     s.park(paused, RequestStatus.PAUSED)
-    s.add_request(Request("r", list(range(12))))
+    s.add_request(Request("r", list(range(100, 112))))  # no prefix-cache hit on p's blocks
     out = run_step(s)
     assert out.preempted_request_ids == ["p"]
     assert paused.status == RequestStatus.PAUSED and paused.num_computed_tokens == 0
@@ -102,7 +102,7 @@ def test_pinned_session_is_not_preempted():
     run_step(s)
     s.truncate(pinned, 8)
     s.park(pinned, RequestStatus.PAUSED)
-    s.add_request(Request("r", list(range(12))))
+    s.add_request(Request("r", list(range(100, 112))))
     out = run_step(s)
     assert "p" not in out.preempted_request_ids
     assert s.kv.holds_blocks("p")
