@@ -1,6 +1,8 @@
 """Prefix caching in the core: chained block hashes, the LRU of cached free blocks, lookups
 that leave the last token to compute, copy-on-write when a shared block is written again."""
 
+from core.helpers import run_step
+
 from loom.core.block_hash import extend_block_hashes, hash_block
 from loom.core.block_pool import BlockPool
 from loom.core.request import Request, RequestStatus
@@ -10,15 +12,6 @@ from loom.core.scheduler import Scheduler, SchedulerConfig
 def make(budget=64, blocks=16, block_size=4, cache=True):
     return Scheduler(SchedulerConfig(budget, 8, blocks, block_size, cache))
 
-
-def run_step(s: Scheduler, sample_token: int = 7):
-    """One step with a fake model: every chunk reaching the end samples `sample_token`."""
-    out = s.schedule()
-    s.update_after_step(out)
-    for chunk in out.chunks:
-        if chunk.needs_logits:
-            s.requests[chunk.request_id].append_tokens([sample_token])
-    return out
 
 
 def finish_after_prefill(s: Scheduler, rid: str, tokens: list[int]) -> list[int]:

@@ -1,5 +1,6 @@
 """Scheduler: the single rule covers prefill, chunking, decode, appends and preemption."""
 
+from core.helpers import run_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -10,15 +11,6 @@ from loom.core.scheduler import Scheduler, SchedulerConfig
 def make(budget=16, seqs=8, blocks=64, block_size=4):
     return Scheduler(SchedulerConfig(budget, seqs, blocks, block_size))
 
-
-def run_step(s: Scheduler, sample_token: int = 7):
-    """One step with a fake model: every chunk reaching the end samples `sample_token`."""
-    out = s.schedule()
-    s.update_after_step(out)
-    for chunk in out.chunks:
-        if chunk.needs_logits:
-            s.requests[chunk.request_id].append_tokens([sample_token])
-    return out
 
 
 def test_prompt_is_chunked_by_budget():

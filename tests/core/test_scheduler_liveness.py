@@ -1,18 +1,10 @@
 """Scheduler liveness: a request that can never fit beside pinned idle sessions is reported
 unschedulable instead of preempting itself and recomputing forever."""
 
+from core.helpers import run_step
+
 from loom.core.request import Request, RequestStatus
 from loom.core.scheduler import Scheduler, SchedulerConfig
-
-
-def run_step(s: Scheduler, sample_token: int = 7):
-    """One step with a fake model: every chunk reaching the end samples `sample_token`."""
-    out = s.schedule()
-    s.update_after_step(out)
-    for chunk in out.chunks:
-        if chunk.needs_logits:
-            s.requests[chunk.request_id].append_tokens([sample_token])
-    return out
 
 
 def pinned_session(s: Scheduler, rid: str, num_tokens: int) -> Request:
