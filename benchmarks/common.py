@@ -104,13 +104,31 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+# CPU features that decide Loom's fast paths (bf16 and int8 products, AMX tiles).
+_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
+
+
+def cpu_isa() -> list[str]:
+    """Which of the CPU features Loom cares about this host has (from /proc/cpuinfo)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                return [f for f in _ISA_FLAGS if f in flags]
+    except OSError:
+        pass
+    return []
+
+
 def machine_info() -> dict[str, Any]:
-    """Cores, CPU model, torch version and threads, and which peers are installed."""
+    """Cores, CPU model and features, torch version and threads, and which peers are
+    installed."""
     import torch
 
     info: dict[str, Any] = {
         "cores": os.cpu_count(),
         "cpu": cpu_model(),
+        "isa": cpu_isa(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
@@ -351,7 +369,9 @@ def update_doc(name: str, title: str, result: dict[str, Any], body: str) -> None
     m = result["machine"]
     meta = (
         f"`{result['command']}` — {result['date']}  \n"
-        f"Machine: {m['cores']} cores, {m['cpu']}, torch {m['torch']} "
+        f"Machine: {m['cores']} cores, {m['cpu']}"
+        + (f" ({', '.join(m['isa'])})" if m.get("isa") else "")
+        + f", torch {m['torch']} "
         f"({m['torch_threads']} threads)"
         + (f", CUDA {m['cuda']}" if m.get("cuda") else "")
         + f"; transformers {m['transformers'] or 'not installed'}, "
