@@ -167,3 +167,31 @@ def test_reset_prefix_cache_forgets_and_stats_count_tokens(tiny_models):
     run_to_completion(engine)
     assert engine.stats.prefix_cache_hits == 36  # nothing new was found
     assert engine.kv_pool_all_free
+
+
+def test_promise_children_and_merged_text_are_cached(tiny_models):
+    """A child's own blocks and the parent's merged text are hashed as they fill: requests
+    repeating those tokens find them."""
+    from engine.test_hooks import P, S, Script, child_plan, params, parent_plan
+
+    from loom.engine.promise_sync import SpecialKwargs
+
+    folder, hf = tiny_models["gemma3"]
+    engine = make_engine(folder, special_kwargs=SpecialKwargs(promise_token_id=P,
+                                                              sync_token_id=S))
+    engine.add_request("t", prompt_ids(9), params(Script(parent_plan, child_plan)),
+                       session=True)
+    child = run_to_completion(engine)["t"].children[1]
+    # prompt (9) + <promise> <promise> + 3 child tokens: block 2 = [p8, P, P, c0] was
+    # computed by the child alone; <sync> ends it uncomputed.
+    child_ids = child.prompt_token_ids + child.outputs[0].token_ids[:3]
+    parent_ids = list(engine.get_session("t").token_ids)  # merged text included, all computed
+    for rid, ids, expected_hits in (("c", child_ids + [5, 6], 12),
+                                    ("p", parent_ids + [5], len(parent_ids) // 4 * 4)):
+        before = engine.stats.prefix_cache_hits
+        stored = session_logits(engine, rid, ids)
+        assert engine.stats.prefix_cache_hits - before == expected_hits, rid
+        torch.testing.assert_close(stored, hf_last_logits(hf, ids), atol=ATOL, rtol=0)
+        engine.close(rid)
+    engine.close("t")
+    assert engine.kv_pool_all_free
