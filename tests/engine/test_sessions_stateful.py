@@ -7,7 +7,7 @@ logits equal a fresh forward pass over its tokens (sessions sharing prefixes go 
 prefix cache), closing everything leaves the pool fully free, and the whole run took a
 number of engine steps bounded by its work (liveness).
 
-`LOOM_STATEFUL_EXAMPLES` / `LOOM_STATEFUL_STEPS` raise the search (defaults 25 x 40).
+`LOOM_STATEFUL_EXAMPLES` / `LOOM_STATEFUL_STEPS` raise the search (defaults 100 x 50).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ GEN = st.builds(
 )
 
 
-EXAMPLES = int(os.environ.get("LOOM_STATEFUL_EXAMPLES", "25"))
-STEPS = int(os.environ.get("LOOM_STATEFUL_STEPS", "40"))
+EXAMPLES = int(os.environ.get("LOOM_STATEFUL_EXAMPLES", "100"))
+STEPS = int(os.environ.get("LOOM_STATEFUL_STEPS", "50"))
 
 
 @pytest.fixture(scope="module")
