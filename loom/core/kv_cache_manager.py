@@ -23,11 +23,6 @@ class PrefixCacheStats:
     queries: int = 0
     hits: int = 0
 
-    @property
-    def hit_rate(self) -> float:
-        """hits / queries (0 before any query)."""
-        return self.hits / self.queries if self.queries else 0.0
-
 
 class KVCacheManager:
     """Owns the mapping request id -> block ids; blocks cover a prefix of the request's slots.
@@ -72,11 +67,6 @@ class KVCacheManager:
     def holds_blocks(self, request_id: str) -> bool:
         """True when the request owns at least one block."""
         return bool(self._tables.get(request_id))
-
-    def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
-        """Blocks to add so that the table covers `num_tokens` slots."""
-        have = len(self._tables.get(request_id, ()))
-        return max(0, cdiv(num_tokens, self.block_size) - have)
 
     def allocate_slots(
         self,

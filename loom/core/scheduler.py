@@ -209,15 +209,18 @@ class Scheduler:
             self._preempt(victim, out)
         return num_new
 
+    def _start_after(self, request: Request, cached: list[int]) -> int:
+        """Where the next chunk starts: the frontier, past the cached blocks found for it."""
+        return request.num_computed_tokens + len(cached) * self.config.block_size
+
     def _chunk_length(self, request: Request, cached: list[int], budget: int) -> int:
         """Tokens the next chunk computes: those after the cached blocks, within the budget."""
-        start = request.num_computed_tokens + len(cached) * self.config.block_size
-        return min(request.num_tokens - start, budget)
+        return min(request.num_tokens - self._start_after(request, cached), budget)
 
     def _allocate(self, request: Request, num_new: int, cached: list[int]) -> bool:
         """Take the cached blocks and blocks for `num_new` tokens after them, all or nothing;
         on success the frontier moves past the cached blocks (their K/V is already there)."""
-        start = request.num_computed_tokens + len(cached) * self.config.block_size
+        start = self._start_after(request, cached)
         if not self.kv.allocate_slots(request.request_id, start + num_new, cached, start):
             return False
         self.kv.count_query(request)
@@ -241,7 +244,7 @@ class Scheduler:
             if idle.pinned:
                 pinned.update(self.kv.block_ids(idle.request_id))
         own = [*self.kv.block_ids(request.request_id), *cached]
-        num_tokens = request.num_computed_tokens + len(cached) * self.config.block_size + num_new
+        num_tokens = self._start_after(request, cached) + num_new
         needed = cdiv(num_tokens, self.config.block_size) - len(pinned.intersection(own))
         available = self.config.num_kv_blocks - len(pinned)
         if needed <= available:
