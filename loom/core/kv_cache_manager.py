@@ -47,8 +47,12 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}
         # Leading blocks of each table already offered to the cache (hashed, or a duplicate).
         self._num_settled: dict[str, int] = {}
-        # (src, dst) block copies the runner must perform before the next forward.
-        self._pending_copies: list[tuple[int, int]] = []
+        # Block copies the runner performs before the next forward, as dst -> src. Queued in
+        # order but kept in the form of one gather (every src read before any dst is written):
+        # a src that is itself a pending dst is replaced by that dst's own src, and a later
+        # copy into the same dst replaces the earlier one. Sources hold the same K/V until the
+        # copies run (only a forward writes blocks), so the gather equals the queued order.
+        self._pending_copies: dict[int, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -119,7 +123,7 @@ class KVCacheManager:
         block_id = table[index]
         if copy:
             (new_id,) = self.pool.allocate(1)
-            self._pending_copies.append((block_id, new_id))
+            self._queue_copy(block_id, new_id)
             table[index] = new_id
             self.pool.release([block_id])
         else:
@@ -167,16 +171,29 @@ class KVCacheManager:
             if self.pool.num_free_blocks < 1 or num_full >= len(parent):
                 return False
             (copy,) = self.pool.allocate(1)
-            self._pending_copies.append((parent[num_full], copy))
+            self._queue_copy(parent[num_full], copy)
             table.append(copy)
         self.pool.share(shared)
         self._tables[child_id] = table
         self._num_settled[child_id] = min(self._num_settled.get(parent_id, 0), num_full)
         return True
 
+    def _queue_copy(self, src: int, dst: int) -> None:
+        src = self._pending_copies.get(src, src)
+        self._pending_copies.pop(dst, None)  # a re-queued dst moves to the end
+        if src != dst:
+            self._pending_copies[dst] = src
+
+    @property
+    def pending_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) block copies queued since the last `take_pending_copies`, to be
+        performed as one gather: read every src, then write every dst (no dst repeats)."""
+        return [(src, dst) for dst, src in self._pending_copies.items()]
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
-        """The (src, dst) block copies queued since the last call."""
-        copies, self._pending_copies = self._pending_copies, []
+        """`pending_copies`, and forget them (the runner performs them now)."""
+        copies = self.pending_copies
+        self._pending_copies = {}
         return copies
 
     # ---- prefix cache --------------------------------------------------------------------

@@ -74,6 +74,22 @@ def test_fork_shares_full_blocks_and_copies_partial_block():
     assert kv.pool.all_free
 
 
+def test_fork_of_a_fork_before_any_step_copies_from_the_original_block():
+    """The runner performs the copies as one gather (every source read first), so a copy
+    whose source is itself a pending destination must read that destination's source."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    kv.allocate_slots("p", 10)
+    assert kv.fork("p", "c", 10) and kv.fork("c", "g", 10)
+    src, child, grandchild = kv.block_ids("p")[2], kv.block_ids("c")[2], kv.block_ids("g")[2]
+    assert kv.take_pending_copies() == [(src, child), (src, grandchild)]
+    kv.free("c")
+    assert kv.fork("g", "h", 10)
+    assert kv.take_pending_copies() == [(grandchild, kv.block_ids("h")[2])]
+    for request_id in "pgh":
+        kv.free(request_id)
+    assert kv.pool.all_free
+
+
 def test_fork_at_block_boundary_copies_nothing():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     kv.allocate_slots("p", 8)

@@ -42,7 +42,7 @@ class KVContents(RuleBasedStateMachine):
     @rule(data=st.data())
     def step(self, data):
         out = self.s.schedule()
-        self._copy(out.block_copies)  # performed by the runner before the forward
+        self.slots = self._copied(self.slots, out.block_copies)  # before the forward
         for chunk in out.chunks:
             tokens = self.s.requests[chunk.request_id].token_ids
             for p in range(chunk.start_pos, chunk.end_pos):
@@ -61,26 +61,28 @@ class KVContents(RuleBasedStateMachine):
     def finish(self, data):
         self.s.finish(data.draw(st.sampled_from(self._ids())), RequestStatus.FINISHED_STOPPED)
 
-    @precondition(lambda self: self.s.running)
+    @precondition(lambda self: self.s.requests)
     @rule(data=st.data())
     def fork(self, data):
-        """A child sharing the parent's computed blocks (as `<promise>` does)."""
-        parent = self.s.requests[data.draw(st.sampled_from(self._ids(RequestStatus.RUNNING)))]
+        """A child sharing the parent's computed blocks (as `<promise>` does); the parent may
+        itself be a child whose block copies have not run yet."""
+        parent = self.s.requests[data.draw(st.sampled_from(self._ids()))]
         self.counter += 1
         child = Request(f"r{self.counter}", list(parent.token_ids),
                         num_computed_tokens=parent.num_computed_tokens,
                         max_computed_tokens=parent.num_computed_tokens)
         if self.s.kv.fork(parent.request_id, child.request_id, parent.num_computed_tokens):
             self.s.add_request(child)
-            # The runner copies the partial block before the next forward; nothing reads the
-            # child before then, so the check may see the copy as done.
-            self._copy(self.s.kv._pending_copies)
 
-    def _copy(self, copies):
-        for src, dst in copies:
-            for i in range(BLOCK):
-                if src * BLOCK + i in self.slots:
-                    self.slots[dst * BLOCK + i] = self.slots[src * BLOCK + i]
+    @staticmethod
+    def _copied(slots, copies):
+        """`slots` after the block copies, performed as the runner does: one gather (every
+        source read before any destination is written)."""
+        read = {(dst, i): slots.get(src * BLOCK + i) for src, dst in copies for i in range(BLOCK)}
+        after = dict(slots)
+        for (dst, i), label in read.items():
+            after[dst * BLOCK + i] = label
+        return after
 
     @precondition(lambda self: self.s.running)
     @rule(data=st.data(), fragment=st.lists(st.integers(1, 3), max_size=6),
@@ -98,12 +100,14 @@ class KVContents(RuleBasedStateMachine):
 
     @invariant()
     def every_computed_position_reads_its_own_tokens(self):
+        # Copies queued since the last step (forks, copy-on-write) run before anything reads.
+        slots = self._copied(self.slots, self.s.kv.pending_copies)
         for rid, request in self.s.requests.items():
             table = self.s.kv.block_ids(rid)
             assert len(table) * BLOCK >= request.num_computed_tokens
             for p in range(request.num_computed_tokens):
                 slot = table[p // BLOCK] * BLOCK + p % BLOCK
-                assert self.slots.get(slot) == tuple(request.token_ids[: p + 1]), (rid, p)
+                assert slots.get(slot) == tuple(request.token_ids[: p + 1]), (rid, p)
 
     def teardown(self):
         for rid in self._ids():
