@@ -53,5 +53,9 @@ class InvalidSessionStateError(LoomError):
     """An operation that the session's current state does not allow."""
 
 
+class KVConnectorError(LoomError):
+    """A KV connector that cannot be found or started from the given configuration."""
+
+
 class OutOfKVBlocksError(LoomError):
     """The KV pool cannot hold even a single request of the given length."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from loom.core.block_hash import extend_block_hashes
 from loom.core.block_pool import BlockPool
 from loom.core.request import Request
 
@@ -218,7 +217,7 @@ class KVCacheManager:
             or len(self._tables.get(request.request_id, ())) != first
         ):
             return []
-        hashes = self._block_hashes(request, last)
+        hashes = self.block_hashes(request, last)
         found = []
         for i in range(first, last):
             block_id = self.pool.cached_block(hashes[i])
@@ -250,7 +249,7 @@ class KVCacheManager:
         full = min(num_computed // self.block_size, len(table))
         if full <= settled:
             return
-        hashes = self._block_hashes(request, full)
+        hashes = self.block_hashes(request, full)
         for i in range(settled, full):
             self.pool.cache(table[i], hashes[i])
         self._num_settled[request.request_id] = full
@@ -259,8 +258,6 @@ class KVCacheManager:
         """Forget every cached hash (blocks in use keep their K/V); returns how many."""
         return self.pool.reset_cache()
 
-    def _block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
-        request.hash_block_size = self.block_size
-        return extend_block_hashes(
-            request.block_hashes, request.token_ids, self.block_size, num_blocks
-        )
+    def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """Keys of the request's first `num_blocks` full blocks."""
+        return request.block_keys(self.block_size, num_blocks)

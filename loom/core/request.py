@@ -6,6 +6,8 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from loom.core.block_hash import extend_block_hashes
+
 _arrival_counter = itertools.count()
 
 
@@ -86,6 +88,15 @@ class Request:
     hash_block_size: int = 0
     # Tokens up to which prefix-cache queries were counted (hit-rate statistics).
     num_cache_queried_tokens: int = 0
+    # K/V already in the request's blocks above the frontier (loaded from an external store):
+    # sorted, disjoint [start, end) ranges. The uncomputed tokens between them are the gaps;
+    # the frontier jumps over a ready range when it reaches its start.
+    ready_ranges: list[tuple[int, int]] = field(default_factory=list)
+    # An external load into the request's blocks is in flight: it is not scheduled until the
+    # load's outcome is known (which ranges really arrived).
+    loading_kv: bool = False
+    # End of the range an external store matched (0: none); tokens computed below it are gaps.
+    external_end: int = 0
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -121,16 +132,42 @@ class Request:
         if count > 0:
             self.truncate(len(self.token_ids) - count)
 
+    def block_keys(self, block_size: int, num_blocks: int) -> list[bytes]:
+        """Chained hashes of the first `num_blocks` full blocks of `token_ids` (computed once
+        and kept in `block_hashes`; `truncate` drops those of blocks losing a token)."""
+        self.hash_block_size = block_size
+        return extend_block_hashes(self.block_hashes, self.token_ids, block_size, num_blocks)
+
+    @property
+    def computable_end(self) -> int:
+        """One past the last token the next chunk may compute: the start of the next ready
+        range (a gap ends there), else the end of the tokens.
+
+            tokens: [ computed | gap ........ | ready (loaded) | gap | ready | rest ... ]
+                               ^ frontier     ^ computable_end
+        """
+        return self.ready_ranges[0][0] if self.ready_ranges else len(self.token_ids)
+
     def advance_frontier(self, num_tokens: int) -> None:
-        """Count the first `num_tokens` tokens as computed: tokens whose K/V a step already
-        wrote at their positions (a verified draft that was re-appended as sampled)."""
+        """Count the first `num_tokens` tokens as computed (a chunk wrote them, cached blocks
+        hold them), then skip every ready range the frontier reaches."""
         if not self.num_computed_tokens <= num_tokens <= len(self.token_ids):
             raise ValueError(
                 f"request {self.request_id}: frontier {self.num_computed_tokens} cannot move to "
                 f"{num_tokens} of {len(self.token_ids)} tokens"
             )
+        while self.ready_ranges and self.ready_ranges[0][0] <= num_tokens:
+            num_tokens = max(num_tokens, self.ready_ranges.pop(0)[1])
         self.num_computed_tokens = num_tokens
         self.max_computed_tokens = max(self.max_computed_tokens, num_tokens)
+        if num_tokens >= self.external_end:
+            self.external_end = 0
+
+    def drop_external_kv(self) -> None:
+        """Forget loaded ranges above the frontier (their blocks were freed or failed)."""
+        self.ready_ranges.clear()
+        self.loading_kv = False
+        self.external_end = 0
 
     def truncate(self, num_tokens: int) -> None:
         """Keep only the first `num_tokens` tokens; the frontier follows if it was beyond.
@@ -141,5 +178,9 @@ class Request:
         self.num_computed_tokens = min(self.num_computed_tokens, num_tokens)
         self.max_computed_tokens = min(self.max_computed_tokens, num_tokens)
         self.num_cache_queried_tokens = min(self.num_cache_queried_tokens, num_tokens)
+        self.ready_ranges = [
+            (a, min(b, num_tokens)) for a, b in self.ready_ranges if a < num_tokens
+        ]
+        self.external_end = min(self.external_end, num_tokens)
         if self.block_hashes:
             del self.block_hashes[num_tokens // self.hash_block_size :]

@@ -1,9 +1,10 @@
 """`Scheduler`: one rule for prefill, chunked prefill, decode, appends and recompute.
 
-Each step every runnable request is offered its uncomputed tokens,
-`num_tokens - num_computed_tokens`, out of a shared token budget: requests with a single
-uncomputed token (decodes) first, then longer ranges (prefills, appended fragments,
-recomputation after preemption), chunked by what is left of the budget. Nothing here knows
+Each step every runnable request is offered its uncomputed tokens, from its frontier up to
+`Request.computable_end` (the end of its tokens, or the next range of K/V loaded from an
+external store), out of a shared token budget: requests with a single uncomputed token
+(decodes) first, then longer ranges (prefills, appended fragments, recomputation after
+preemption, gaps in external K/V), chunked by what is left of the budget. Nothing here knows
 whether tokens came from a prompt, a sampler or a caller's append.
 """
 
@@ -13,7 +14,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from loom.core.external_kv import ExternalKV
 from loom.core.kv_cache_manager import KVCacheManager, cdiv
+from loom.core.kv_transfer import SchedulerConnector
 from loom.core.request import Request, RequestStatus
 from loom.core.scheduler_output import ScheduledChunk, SchedulerOutput, Unschedulable
 
@@ -38,8 +41,11 @@ class Scheduler:
       sessions and blocked parents. They become runnable again through `wake`.
     """
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(
+        self, config: SchedulerConfig, connector: SchedulerConnector | None = None
+    ) -> None:
         self.config = config
+        self.connector = connector
         self.kv = KVCacheManager(
             config.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -49,6 +55,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_recomputed_tokens = 0
         self.num_preemptions = 0
+        self.external = ExternalKV(connector, self.kv) if connector is not None else None
 
     # ---- membership -------------------------------------------------------------------
 
@@ -68,6 +75,8 @@ class Scheduler:
         request = self.requests.pop(request_id)
         self._detach(request)
         self.kv.cache_blocks(request, request.num_computed_tokens)
+        if self.connector is not None:
+            self.connector.request_finished(request, self.kv.block_ids(request_id))
         self.kv.free(request_id)
         request.status = status
         return request
@@ -124,8 +133,8 @@ class Scheduler:
         for request in queue:
             if budget == 0:
                 break
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status != RequestStatus.RUNNING or request.loading_kv:
+                continue  # preempted earlier in this loop, or its K/V is being loaded
             num_new = self._reserve(request, budget, scheduled, out)
             if num_new == 0:
                 continue  # nothing to do, or the request preempted itself
@@ -136,11 +145,13 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             num_new = self._admit(request, budget, out)
-            if num_new == 0:
+            if num_new is None:
                 break  # FIFO: do not let later requests overtake the head
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if num_new == 0:
+                continue  # admitted to load external K/V this step; computes from the next
             out.chunks.append(self._chunk(request, num_new, out))
             scheduled.add(request.request_id)
             budget -= num_new
@@ -150,12 +161,16 @@ class Scheduler:
             if request.num_draft_tokens and request.request_id not in scheduled:
                 request.discard_draft_tokens()
         out.block_copies = self.kv.take_pending_copies()
+        if self.external is not None:
+            self.external.fill_blocks(out, self.requests)
+            out.kv_connector_metadata = self.external.connector.build_connector_meta(out)
         return out
 
     def _chunk(self, request: Request, num_new: int, out: SchedulerOutput) -> ScheduledChunk:
         start = request.num_computed_tokens
         end = start + num_new
         out.num_recomputed_tokens += max(0, min(end, request.max_computed_tokens) - start)
+        out.num_gap_tokens += max(0, min(end, request.external_end) - start)
         return ScheduledChunk(
             request_id=request.request_id,
             token_ids=request.token_ids[start:end],
@@ -191,22 +206,34 @@ class Scheduler:
                 return 0
         return num_new
 
-    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int | None:
         """Allocate for the waiting request's first chunk, evicting idle sessions and newer
-        waiting requests' blocks (never running requests); returns its length (0: not now)."""
+        waiting requests' blocks (never running requests); returns its length, 0 when it was
+        admitted to load external K/V first, None when it cannot start now.
+
+        The local prefix cache is asked first, the connector's store for what follows."""
         cached = self.kv.find_cached_blocks(request)
-        num_new = self._chunk_length(request, cached, budget)
+        num_external = 0
+        if self.external is not None:
+            num_external = self.external.match(
+                request, self._start_after(request, cached),
+                len(self.kv.block_ids(request.request_id)) + len(cached),
+            )
+        num_new = num_external or self._chunk_length(request, cached, budget)
         if num_new <= 0:
+            return None
+        if not self._allocate(request, num_new, cached):
+            if not self._can_ever_fit(request, num_new, cached, out):
+                return None
+            while not self._allocate(request, num_new, cached):
+                victim = self._idle_victim() or self._waiting_victim(request)
+                if victim is None:
+                    return None
+                self._preempt(victim, out)
+        if num_external:
+            assert self.external is not None
+            self.external.start_load(request, num_external, out)
             return 0
-        if self._allocate(request, num_new, cached):
-            return num_new
-        if not self._can_ever_fit(request, num_new, cached, out):
-            return 0
-        while not self._allocate(request, num_new, cached):
-            victim = self._idle_victim() or self._waiting_victim(request)
-            if victim is None:
-                return 0
-            self._preempt(victim, out)
         return num_new
 
     def _start_after(self, request: Request, cached: list[int]) -> int:
@@ -214,8 +241,9 @@ class Scheduler:
         return request.num_computed_tokens + len(cached) * self.config.block_size
 
     def _chunk_length(self, request: Request, cached: list[int], budget: int) -> int:
-        """Tokens the next chunk computes: those after the cached blocks, within the budget."""
-        return min(request.num_tokens - self._start_after(request, cached), budget)
+        """Tokens the next chunk computes: those after the cached blocks up to the next
+        ready range (or the end), within the budget."""
+        return min(request.computable_end - self._start_after(request, cached), budget)
 
     def _allocate(self, request: Request, num_new: int, cached: list[int]) -> bool:
         """Take the cached blocks and blocks for `num_new` tokens after them, all or nothing;
@@ -281,6 +309,7 @@ class Scheduler:
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         """Drop the victim's K/V; it recomputes everything when scheduled again."""
         victim.discard_draft_tokens()
+        victim.drop_external_kv()
         self.kv.cache_blocks(victim, victim.num_computed_tokens)
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
@@ -295,14 +324,22 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(victim)
 
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance the frontier of every scheduled request by its chunk length."""
+    def update_after_step(
+        self, out: SchedulerOutput, load_errors: dict[int, str] | None = None
+    ) -> None:
+        """Advance the frontier of every scheduled request by its chunk length, and settle
+        this step's external loads (`load_errors`: block id -> why its load failed)."""
         self.num_recomputed_tokens += out.num_recomputed_tokens
+        if self.external is not None:
+            self.external.num_gap_tokens += out.num_gap_tokens
+        for request_id in out.loading_request_ids:
+            request = self.requests.get(request_id)
+            if request is not None and request.loading_kv and self.external is not None:
+                self.external.finish_load(request, load_errors or {}, out)
         for chunk in out.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None:
                 continue
-            request.num_computed_tokens = chunk.end_pos
-            request.max_computed_tokens = max(request.max_computed_tokens, chunk.end_pos)
+            request.advance_frontier(chunk.end_pos)
             # Drafts are hashed only once verified: the next step's frontier covers them.
             self.kv.cache_blocks(request, chunk.end_pos - chunk.num_draft_tokens)

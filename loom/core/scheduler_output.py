@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from loom.core.kv_transfer import LoadFailure
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,17 @@ class Unschedulable:
     blocks_available: int
 
 
+@dataclass(frozen=True)
+class FilledBlock:
+    """A block whose tokens are all computed once this step's forward ran (drafts excluded),
+    with its prefix-cache key: what a KV connector saves."""
+
+    request_id: str
+    block_index: int  # in the request's table; tokens [index * B, (index + 1) * B)
+    block_id: int
+    block_hash: bytes
+
+
 @dataclass
 class SchedulerOutput:
     """The batch of one step: chunks in scheduling order (decodes first, then prefills)."""
@@ -62,6 +76,16 @@ class SchedulerOutput:
     num_recomputed_tokens: int = 0
     # Requests the engine must fail: waiting or preempting would never make them fit.
     unschedulable: list[Unschedulable] = field(default_factory=list)
+    # KV connector: requests whose external K/V the runner loads in this step (they compute
+    # nothing until the outcome is known), and the connector's opaque per-step metadata.
+    loading_request_ids: list[str] = field(default_factory=list)
+    kv_connector_metadata: Any = None
+    # With a connector: the blocks this step's chunks fill, for it to save.
+    filled_blocks: list[FilledBlock] = field(default_factory=list)
+    # Tokens computed in gaps of external K/V (the store lacked them or their load failed).
+    num_gap_tokens: int = 0
+    # Requests whose load failed under kv_load_failure_policy="fail" (set after the step).
+    load_failures: list[LoadFailure] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -71,4 +95,4 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         """True when there is nothing to run."""
-        return not self.chunks and not self.block_copies
+        return not self.chunks and not self.block_copies and not self.loading_request_ids

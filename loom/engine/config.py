@@ -36,6 +36,10 @@ class EngineArgs:
     # Speculative decoding, vLLM's form: {"method": "ngram", "num_speculative_tokens": 4,
     # "prompt_lookup_min": 2, "prompt_lookup_max": 4} (see loom.spec_decode.SpeculativeConfig).
     speculative_config: dict[str, Any] | None = None
+    # A KV connector, vLLM's form: KVTransferConfig(kv_connector="SharedStorageConnector",
+    # kv_role="kv_both", kv_connector_extra_config={"shared_storage_path": "kv"}) or the
+    # same as a dict (see loom.kv_connector.KVTransferConfig).
+    kv_transfer_config: Any = None
     special_kwargs: Any = None  # loom.engine.promise_sync.SpecialKwargs
     hooks: list[Any] = field(default_factory=list)  # loom.engine.hooks.SequenceHook objects
 
@@ -64,6 +68,8 @@ class EngineConfig:
     quantization: str | None
     kv_cache_dtype: str  # resolved: the dtype name the KV pool is stored in
     speculative: SpeculativeConfig | None  # None: no speculative decoding
+    kv_transfer: Any = None  # loom.kv_connector.KVTransferConfig, or None
+    kv_cache_spec: Any = None  # loom.kv_connector.KVCacheSpec when kv_transfer is set
     special_kwargs: Any = None
     hooks: tuple[Any, ...] = ()
 

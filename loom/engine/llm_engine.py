@@ -29,6 +29,7 @@ from loom.errors import (
     SessionClosedError,
     UnknownRequestError,
 )
+from loom.kv_connector import KVConnectorRole, create_connector
 from loom.runner.model_runner import ModelRunner
 from loom.sample import Sampler
 from loom.sampling_params import SamplingParams
@@ -48,7 +49,12 @@ class LLMEngine(SessionOps, TreeOps, TokenOps):
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(config.scheduler)
+        self.kv_connector = None
+        if config.kv_transfer is not None:
+            self.kv_connector = create_connector(
+                config.kv_transfer, config.kv_cache_spec, KVConnectorRole.SCHEDULER
+            )
+        self.scheduler = Scheduler(config.scheduler, self.kv_connector)
         self.sampler = Sampler()
         self.speculator = Speculator(config.speculative) if config.speculative else None
         self.eos_token_ids: set[int] = set(tokenizer.eos_token_ids) | set(
@@ -194,14 +200,16 @@ class LLMEngine(SessionOps, TreeOps, TokenOps):
         sched_out = self.scheduler.schedule()
         self.last_scheduler_output = sched_out
         if sched_out.is_empty:
-            return reported + self._fail_unschedulable(sched_out)
+            return reported + self._fail_reported(sched_out)
         if sched_out.block_copies:
             self.runner.copy_blocks(sched_out.block_copies)
+        self.runner.load_kv(sched_out.kv_connector_metadata)
         logits = self.runner.execute(sched_out.chunks)
-        self.scheduler.update_after_step(sched_out)
+        load_errors = self.runner.save_kv()
+        self.scheduler.update_after_step(sched_out, load_errors)
         self.num_steps += 1
         outputs = reported + self._process_logits(sched_out, logits)
-        outputs += self._fail_unschedulable(sched_out)
+        outputs += self._fail_reported(sched_out)
         if self._pending_calls and self.run_async_calls_inline:
             self._run_pending_calls_inline()
         return outputs
@@ -243,9 +251,10 @@ class LLMEngine(SessionOps, TreeOps, TokenOps):
             self._sample_and_append(to_sample, logits, drafts)
         return [self._group_output(rid) for rid in touched]
 
-    def _fail_unschedulable(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
+    def _fail_reported(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
         """Fail the requests (their trees) that can never get the KV blocks they need, so
-        nothing waits or preempts itself forever; every other request keeps its state.
+        nothing waits or preempts itself forever, and those whose external K/V failed to load
+        under kv_load_failure_policy="fail"; every other request keeps its state.
 
         The scheduler names those that pinned sessions crowd out. When a step runs nothing and
         names none, the head of the queue waits on blocks that only it could free (held by
@@ -260,6 +269,10 @@ class LLMEngine(SessionOps, TreeOps, TokenOps):
                     f"{item.blocks_needed} KV blocks but only {item.blocks_available} of "
                     f"{total} can ever be free for it; the rest are held by pinned sessions"
                 )
+        for failure in sched_out.load_failures:
+            seq = self._seqs.get(failure.request_id)
+            if seq is not None and seq.group_id not in errors:
+                errors[seq.group_id] = failure.message
         stuck = sched_out.is_empty and not errors and not self.scheduler.running
         if stuck and self.scheduler.waiting:
             group = self._seqs[self.scheduler.waiting[0].request_id].group_id
@@ -340,7 +353,7 @@ class LLMEngine(SessionOps, TreeOps, TokenOps):
     def stats(self) -> EngineStats:
         """A snapshot of the engine's counters (steps, preemptions, KV pool, prefix cache,
         speculative decoding)."""
-        kv, spec = self.scheduler.kv, self.speculator
+        kv, spec, external = self.scheduler.kv, self.speculator, self.scheduler.external
         return EngineStats(
             num_steps=self.num_steps,
             num_preemptions=self.scheduler.num_preemptions,
@@ -353,6 +366,10 @@ class LLMEngine(SessionOps, TreeOps, TokenOps):
             prefix_cache_hits=kv.stats.hits,
             num_draft_tokens=spec.num_drafted if spec else 0,
             num_accepted_draft_tokens=spec.num_accepted if spec else 0,
+            kv_loaded_tokens=external.num_loaded_tokens if external else 0,
+            kv_gap_tokens=external.num_gap_tokens if external else 0,
+            kv_load_failed_tokens=external.num_load_failed_tokens if external else 0,
+            kv_saved_blocks=getattr(self.runner.kv_connector, "num_saved_blocks", 0),
         )
 
     def reset_prefix_cache(self) -> int:

@@ -12,6 +12,14 @@ from loom.core.kv_cache_manager import cdiv
 from loom.core.scheduler import SchedulerConfig
 from loom.engine.config import EngineArgs, EngineConfig
 from loom.errors import InvalidRequestError
+from loom.kv_connector import (
+    KVCacheSpec,
+    KVConnectorRole,
+    KVTransferConfig,
+    create_connector,
+    model_identity,
+)
+from loom.kv_connector.factory import connector_class
 from loom.loader.resolve import resolve_model_path
 from loom.runner.loading import QUANTIZATIONS, build_model
 from loom.runner.model_runner import ModelRunner, kv_cache_bytes_per_block
@@ -105,6 +113,10 @@ def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tok
     dtype = resolve_dtype(args.dtype, device)
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     speculative = resolve_speculative_config(args.speculative_config)
+    kv_transfer = None
+    if args.kv_transfer_config is not None:
+        kv_transfer = KVTransferConfig.coerce(args.kv_transfer_config)
+        connector_class(kv_transfer)  # an unknown name or module fails before the model loads
     if args.quantization not in (None, *QUANTIZATIONS):
         raise InvalidRequestError(
             f"unsupported quantization {args.quantization!r}; choose one of {QUANTIZATIONS}"
@@ -145,11 +157,20 @@ def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tok
         hooks=tuple(args.hooks),
         kv_cache_dtype=kv_dtype,
         speculative=speculative,
+        kv_transfer=kv_transfer,
+        kv_cache_spec=None if kv_transfer is None else KVCacheSpec(
+            model_id=model_identity(model_path), dtype=dtype, kv_cache_dtype=kv_dtype,
+            block_size=args.block_size, num_layers=model_config.num_layers,
+            num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
+        ),
     )
     assert cdiv(max_model_len, args.block_size) <= num_blocks
     runner = ModelRunner(
         model_config, model, torch.device(device), torch_dtype(dtype), num_blocks, args.block_size,
         kv_cache_dtype=torch_dtype(kv_dtype),
     )
+    if kv_transfer is not None:
+        worker = create_connector(kv_transfer, config.kv_cache_spec, KVConnectorRole.WORKER)
+        runner.attach_kv_connector(worker)
     tokenizer = load_tokenizer(tokenizer_path)
     return config, runner, tokenizer

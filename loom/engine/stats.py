@@ -25,6 +25,13 @@ class EngineStats:
     prefix_cache_hits: int
     num_draft_tokens: int
     num_accepted_draft_tokens: int
+    # KV connector (0 without one): tokens whose K/V was loaded from the store, tokens
+    # computed in gaps of a match (blocks the store lacked or failed to load), tokens whose
+    # load failed, and blocks saved to the store.
+    kv_loaded_tokens: int = 0
+    kv_gap_tokens: int = 0
+    kv_load_failed_tokens: int = 0
+    kv_saved_blocks: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

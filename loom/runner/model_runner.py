@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from loom.attention import (
@@ -50,6 +52,36 @@ class ModelRunner:
             model_config.num_layers, num_blocks, block_size,
             model_config.num_kv_heads, model_config.head_dim, self.kv_cache_dtype, self.device,
         )
+        self.kv_connector: Any = None  # the worker half of a KV connector (loom.kv_connector)
+
+    def attach_kv_connector(self, connector: Any) -> None:
+        """Give the worker half of a KV connector the KV pool; each step then loads before
+        and saves after the forward (`load_kv`, `save_kv`)."""
+        connector.register_kv_caches(self.kv_caches)
+        self.kv_connector = connector
+
+    def load_kv(self, connector_metadata: Any) -> None:
+        """Bind this step's connector metadata and load its blocks into the pool, every
+        layer in place before the forward."""
+        if self.kv_connector is None:
+            return
+        self.kv_connector.bind_connector_metadata(connector_metadata)
+        self.kv_connector.start_load_kv()
+        for layer in range(len(self.kv_caches)):
+            self.kv_connector.wait_for_layer_load(layer)
+
+    def save_kv(self, metadata: AttentionMetadata | None = None) -> dict[int, str]:
+        """After the forward: save what the step filled; returns the step's load errors
+        (block id -> cause) and unbinds the metadata."""
+        connector = self.kv_connector
+        if connector is None:
+            return {}
+        for layer, cache in enumerate(self.kv_caches):
+            connector.save_kv_layer(layer, cache, metadata)
+        connector.wait_for_save()
+        errors = connector.get_load_errors()
+        connector.clear_connector_metadata()
+        return errors
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy KV block src -> dst in every layer (copy-on-write of forked blocks)."""
