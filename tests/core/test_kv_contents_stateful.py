@@ -3,8 +3,10 @@
 A fake runner writes, into each slot a chunk computes, a label naming what the real K/V of
 that position depends on: the tokens up to and including it. Requests share a three-token
 alphabet, so prefixes repeat and the prefix cache, forks, copy-on-write, rewinds and
-preemption all happen on a small pool. After every operation, every computed position of
-every request must read the label of its own tokens through its block table.
+preemption all happen on a small pool. A fake external store (a KV connector) saves the
+blocks steps fill, loses some, and fails some loads, so loads with gaps happen too. After
+every operation, every computed position of every request must read the label of its own
+tokens through its block table.
 """
 
 from __future__ import annotations
@@ -20,13 +22,53 @@ BLOCK = 4
 TOKENS = st.lists(st.integers(1, 3), min_size=1, max_size=14)
 
 
+class FakeStore:
+    """A KV connector over a dict: block key -> the labels of its slots. It matches up to the
+    last stored full block (the missing ones before it are gaps), like StoreConnector."""
+
+    load_failure_policy = "recompute"
+
+    def __init__(self) -> None:
+        self.blocks: dict[bytes, tuple] = {}
+        self.matches: dict[str, tuple[dict[int, bytes], list]] = {}
+        self.loads: list[tuple[int, bytes]] = []
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        first, last = num_computed_tokens // BLOCK, (request.num_tokens - 1) // BLOCK
+        keys = request.block_keys(BLOCK, last)
+        found = [i for i in range(first, last) if keys[i] in self.blocks]
+        if not found:
+            return 0, False
+        end = found[-1] + 1
+        gaps = [(i * BLOCK, (i + 1) * BLOCK) for i in range(first, end) if i not in found]
+        self.matches[request.request_id] = ({i: keys[i] for i in found}, gaps)
+        return end * BLOCK - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        keys, _ = self.matches[request.request_id]
+        self.loads += [(blocks[i], key) for i, key in keys.items()]
+
+    def get_computed_token_gaps(self, request):
+        return self.matches[request.request_id][1]
+
+    def build_connector_meta(self, scheduler_output):
+        loads, self.loads = self.loads, []
+        saves = [(b.block_id, b.block_hash) for b in scheduler_output.filled_blocks]
+        return loads, saves
+
+    def request_finished(self, request, block_ids):
+        self.matches.pop(request.request_id, None)
+        return False, None
+
+
 class KVContents(RuleBasedStateMachine):
     """Random requests on a 12-block pool, checked slot by slot."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.store = FakeStore()
         self.s = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=6,
-                                           num_kv_blocks=12, block_size=BLOCK))
+                                           num_kv_blocks=12, block_size=BLOCK), self.store)
         self.slots: dict[int, tuple[int, ...]] = {}  # slot -> tokens its K/V depends on
         self.counter = 0
 
@@ -43,18 +85,40 @@ class KVContents(RuleBasedStateMachine):
     def step(self, data):
         out = self.s.schedule()
         self.slots = self._copied(self.slots, out.block_copies)  # before the forward
+        loads, saves = out.kv_connector_metadata
+        errors = {}
+        for block_id, key in loads:  # a load fails now and then: it must be recomputed
+            if data.draw(st.integers(0, 4)) == 0:
+                errors[block_id] = "lost"
+                continue
+            for i, label in enumerate(self.store.blocks[key]):
+                self.slots[block_id * BLOCK + i] = label
         for chunk in out.chunks:
             tokens = self.s.requests[chunk.request_id].token_ids
             for p in range(chunk.start_pos, chunk.end_pos):
                 slot = chunk.block_ids[p // BLOCK] * BLOCK + p % BLOCK
                 self.slots[slot] = tuple(tokens[: p + 1])
-        self.s.update_after_step(out)
+        for block_id, key in saves:  # after the forward
+            self.store.blocks[key] = tuple(self.slots.get(block_id * BLOCK + i)
+                                           for i in range(BLOCK))
+        self.s.update_after_step(out, errors)
         for item in out.unschedulable:
             self.s.finish(item.request_id, RequestStatus.FINISHED_ERROR)
         for chunk in out.chunks:
             request = self.s.requests.get(chunk.request_id)
             if chunk.needs_logits and request is not None:
                 request.append_tokens([data.draw(st.integers(1, 3))])
+
+    @rule()
+    def reset_prefix_cache(self):
+        """Forget the local prefix cache: the store becomes the only source of old K/V."""
+        self.s.reset_prefix_cache()
+
+    @precondition(lambda self: self.store.blocks)
+    @rule(data=st.data())
+    def store_loses_a_block(self, data):
+        """The external store evicts a block: later matches have a gap there."""
+        del self.store.blocks[data.draw(st.sampled_from(sorted(self.store.blocks)))]
 
     @precondition(lambda self: self.s.requests)
     @rule(data=st.data())
