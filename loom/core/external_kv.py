@@ -81,7 +81,6 @@ class ExternalKV:
         loaded = [i for a, b in request.ready_ranges for i in range(a // size, b // size)]
         failed = [i for i in loaded if table[i] in load_errors]
         self.num_load_failed_tokens += len(failed) * size
-        self.num_loaded_tokens += (len(loaded) - len(failed)) * size
         if failed and self.connector.load_failure_policy == "fail":
             i = failed[0]
             out.load_failures.append(LoadFailure(
@@ -91,6 +90,7 @@ class ExternalKV:
                 f"{load_errors[table[i]]}",
             ))
             return
+        self.num_loaded_tokens += (len(loaded) - len(failed)) * size
         request.ready_ranges = subtract_ranges(request.ready_ranges,
                                                blocks_to_ranges(failed, size))
         request.advance_frontier(request.num_computed_tokens)  # skips a range at the frontier

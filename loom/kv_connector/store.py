@@ -72,18 +72,24 @@ class FileStore:
 
 
 class RedisStore:
-    """Keys in a Redis server (the `redis` client; `pip install 'loom[redis]'`)."""
+    """Keys in a Redis server (the `redis` client; `pip install 'loom-llm[redis]'`).
+
+    A failed call is not retried (`retries`, default 0): the engine computes what it cannot
+    load, so waiting seconds on a lost server only delays every request."""
 
     def __init__(self, url: str | None = None, host: str = "127.0.0.1", port: int = 6379,
-                 db: int = 0, socket_timeout: float = 5.0, **kwargs: Any) -> None:
+                 db: int = 0, socket_timeout: float = 2.0, retries: int = 0,
+                 **kwargs: Any) -> None:
         try:
             import redis
+            from redis.backoff import ExponentialBackoff
+            from redis.retry import Retry
         except ImportError as error:
             raise MissingDependencyError(
-                "RedisConnector needs the redis client: pip install 'loom[redis]'"
+                "RedisConnector needs the redis client: pip install 'loom-llm[redis]'"
             ) from error
         options = {"socket_timeout": socket_timeout, "socket_connect_timeout": socket_timeout,
-                   **kwargs}
+                   "retry": Retry(ExponentialBackoff(cap=0.5, base=0.05), retries), **kwargs}
         if url is not None:
             self.client = redis.Redis.from_url(url, **options)
         else:

@@ -138,13 +138,22 @@ class StoreConnector(KVConnectorBase):
         meta: StoreConnectorMetadata | None = self._metadata
         if meta is None or not meta.loads:
             return
+        store_error: str | None = None  # once the store fails, the step's other reads are moot
         for block_id, key in meta.loads:
+            if store_error is not None:
+                self._load_errors[block_id] = f"{key}: {store_error}"
+                continue
             try:
                 data = self.store.get(key)
+            except Exception as error:  # a lost server, an I/O error
+                store_error = f"the store failed: {type(error).__name__}: {error}"
+                self._load_errors[block_id] = f"{key}: {store_error}"
+                continue
+            try:
                 if data is None:
                     raise KVBlockError("missing from the store")
                 block = decode_block(data, self.spec)
-            except Exception as error:  # any failure of one block leaves the others loading
+            except Exception as error:  # this block is bad (KVBlockError); the others load
                 self._load_errors[block_id] = f"{key}: {error}"
                 continue
             with torch.inference_mode():
