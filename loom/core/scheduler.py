@@ -141,6 +141,8 @@ class Scheduler:
             out.chunks.append(self._chunk(request, num_new, out))
             scheduled.add(request.request_id)
             budget -= num_new
+            if request.ready_ranges:
+                budget -= self._later_gaps(request, budget, out)
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -166,8 +168,10 @@ class Scheduler:
             out.kv_connector_metadata = self.external.connector.build_connector_meta(out)
         return out
 
-    def _chunk(self, request: Request, num_new: int, out: SchedulerOutput) -> ScheduledChunk:
-        start = request.num_computed_tokens
+    def _chunk(
+        self, request: Request, num_new: int, out: SchedulerOutput, start: int | None = None
+    ) -> ScheduledChunk:
+        start = request.num_computed_tokens if start is None else start
         end = start + num_new
         out.num_recomputed_tokens += max(0, min(end, request.max_computed_tokens) - start)
         out.num_gap_tokens += max(0, min(end, request.external_end) - start)
@@ -179,6 +183,33 @@ class Scheduler:
             needs_logits=end == request.num_tokens,
             num_draft_tokens=request.num_draft_tokens,  # a chunk covers all drafts or none
         )
+
+    def _later_gaps(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+        """After a request's chunk reached a ready range, chunks for the gaps after its
+        following ready ranges, in order, while the budget lasts; returns their tokens.
+
+            tokens: [ frontier ... chunk | ready | gap | ready | gap |  rest ...  ]
+                                                 ^ 2nd ^       ^ 3rd ^ (new blocks)
+
+        Only tokens in blocks the request already holds (allocated when its K/V was
+        matched) are taken; each chunk's K/V is written before any token of the step
+        attends, so a later gap reads an earlier one's.
+        """
+        used, end = 0, out.chunks[-1].end_pos
+        held = min(request.num_tokens,
+                   len(self.kv.block_ids(request.request_id)) * self.config.block_size)
+        ranges = request.ready_ranges
+        for i, (start, gap_start) in enumerate(ranges):
+            if start != end or used == budget:
+                break
+            gap_end = ranges[i + 1][0] if i + 1 < len(ranges) else held
+            num_new = min(gap_end - gap_start, budget - used)
+            if num_new <= 0:
+                break
+            out.chunks.append(self._chunk(request, num_new, out, gap_start))
+            used += num_new
+            end = gap_start + num_new
+        return used
 
     def _reserve(
         self, request: Request, budget: int, scheduled: set[str], out: SchedulerOutput

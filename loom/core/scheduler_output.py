@@ -10,7 +10,8 @@ from loom.core.kv_transfer import LoadFailure
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """One request's contiguous range of tokens to compute in this step.
+    """One request's contiguous range of tokens to compute in this step (a request whose K/V
+    was loaded with gaps may have several, one per gap, in position order).
 
     The chunk covers positions [start_pos, start_pos + len(token_ids)) of the request:
 

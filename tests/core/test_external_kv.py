@@ -72,8 +72,9 @@ def test_a_load_runs_in_a_step_of_its_own_then_only_the_gaps_and_the_rest_are_co
     assert conn.calls == [("r", 0)] and len(conn.allocated["r"]) == 6  # slots for 24 tokens
     request = s.requests["r"]
     assert request.num_computed_tokens == 4  # [0, 4) arrived; the first gap starts there
-    assert [spans(run_step(s)) for _ in range(3)] == [
-        [("r", 4, 8)], [("r", 12, 20)], [("r", 24, 30)]
+    # Both gaps in one step (they lie in blocks allocated at the match), the rest after it.
+    assert [spans(run_step(s)) for _ in range(2)] == [
+        [("r", 4, 8), ("r", 12, 20)], [("r", 24, 30)]
     ]
     assert request.num_computed_tokens == 30 and request.num_tokens == 31  # sampled
     assert s.external.num_gap_tokens == 12 and s.external.num_loaded_tokens == 12
@@ -94,6 +95,18 @@ def test_a_gap_is_chunked_by_the_budget_and_batched_with_other_requests():
     out = run_step(s)
     assert spans(out) == [("r", 16, 20), ("d", 0, 2)]
     assert s.external.num_gap_tokens == 16
+
+
+def test_several_gaps_share_a_step_in_order_while_the_budget_lasts():
+    conn = FakeConnector(matched=32, gaps=[(0, 4), (8, 12), (16, 24), (28, 32)])
+    s = make(conn, budget=10)
+    s.add_request(Request("r", list(range(40))))
+    run_step(s)
+    assert s.requests["r"].num_computed_tokens == 0
+    assert spans(run_step(s)) == [("r", 0, 4), ("r", 8, 12), ("r", 16, 18)]
+    assert spans(run_step(s)) == [("r", 18, 24), ("r", 28, 32)]
+    assert spans(run_step(s)) == [("r", 32, 40)]  # the rest, after the match
+    assert s.external.num_gap_tokens == 20 and s.requests["r"].num_computed_tokens == 40
 
 
 def test_failed_loads_become_gaps_under_recompute():
