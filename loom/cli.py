@@ -1,4 +1,5 @@
-"""The `loom` command: `loom generate --model gemma3-270m --max-tokens 32 "Once upon a time"`."""
+"""The `loom` command: `loom generate --model gemma3-270m --max-tokens 32 "Once upon a time"`,
+`loom serve --model gemma3-270m --port 8000`, `loom demo`."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-speculative-tokens", type=int, default=0,
                      help="draft this many tokens per step by n-gram prompt lookup (0: off)")
     sub.add_parser("demo", help="run the live-session demo (madlibs)")
+    from loom.server.cli import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 
@@ -35,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `loom` console script."""
     args = _parser().parse_args(argv)
     try:
+        if args.command == "serve":
+            from loom.server.cli import serve
+
+            return serve(args)
         if args.command == "demo":
             from loom.demo import main as demo_main
 

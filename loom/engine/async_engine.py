@@ -192,6 +192,10 @@ class AsyncLLMEngine:
         """A snapshot of a session."""
         return await self._call(self.engine.get_session, request_id)
 
+    async def stop_generation(self, request_id: str) -> bool:
+        """End a session's generation segment now (its caller went away); it stays open."""
+        return await self._call(self.engine.stop_generation, request_id)
+
     async def close(self, request_id: str) -> None:
         """Close a session and free its blocks."""
         await self._call(self.engine.close, request_id)

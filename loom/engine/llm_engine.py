@@ -94,11 +94,13 @@ class LLMEngine(SessionOps, TreeOps, TokenOps):
         *,
         session: bool = False,
         pin: bool = False,
+        ttl_s: float | None = None,
     ) -> None:
         """Queue a request (or open a session with `session=True`).
 
         A session opened without `sampling_params` only computes its prompt and pauses with
         the last logits stored; `resume` or `prefill(..., sampling_params)` starts generating.
+        `ttl_s` overrides the engine's `session_ttl_s` for this session.
         """
         prefill_only = session and sampling_params is None
         params = sampling_params or SamplingParams()
@@ -106,6 +108,8 @@ class LLMEngine(SessionOps, TreeOps, TokenOps):
             raise DuplicateRequestError(f"request id {request_id!r} is already in use")
         if session and params.n != 1:
             raise InvalidRequestError(f"session {request_id!r}: n must be 1, got {params.n}")
+        if ttl_s is not None and not ttl_s > 0:
+            raise InvalidRequestError(f"session {request_id!r}: ttl_s must be > 0, got {ttl_s}")
         prompt_text, prompt_ids = self._encode_prompt(request_id, prompt)
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}/{i}" for i in range(params.n)]
         for index, seq_id in enumerate(seq_ids):
@@ -120,6 +124,7 @@ class LLMEngine(SessionOps, TreeOps, TokenOps):
                 index=index,
                 prompt=prompt_text,
                 is_session=session,
+                ttl_s=ttl_s,
             )
             seq.start_segment(params, self.config.device)
             if prefill_only:
@@ -324,11 +329,16 @@ class LLMEngine(SessionOps, TreeOps, TokenOps):
         return out
 
     def _expire_idle_sessions(self) -> None:
-        ttl = self.config.session_ttl_s
-        if ttl is None or not self.scheduler.idle:
+        if not self.scheduler.idle:
             return
         now = time.monotonic()
-        expired = [r.request_id for r in self.scheduler.idle.values() if now - r.last_used > ttl]
+        default = self.config.session_ttl_s
+        expired = []
+        for request in self.scheduler.idle.values():
+            seq = self._seqs[request.request_id]
+            ttl = seq.ttl_s if seq.ttl_s is not None else default
+            if ttl is not None and now - request.last_used > ttl:
+                expired.append(request.request_id)
         for rid in expired:
             self._end_group(self._seqs[rid].group_id, "expired", RequestStatus.FINISHED_ABORTED)
 

@@ -58,6 +58,8 @@ class SequenceState:
     # to skip drafting after a miss (see loom.engine.speculation.Speculator.observe).
     draft_limit: int | None = None
     draft_pause: int = 0
+    # Seconds a paused session may stay idle before it expires (None: the engine's default).
+    ttl_s: float | None = None
 
     @property
     def request_id(self) -> str:

@@ -126,6 +126,18 @@ class SessionOps:
             self._sample_and_append([seq], seq.last_logits.unsqueeze(0))
         self.scheduler.wake(seq.request)
 
+    def stop_generation(self: LLMEngine, request_id: str) -> bool:
+        """End a generating session's segment now, as a stop condition would (its caller went
+        away): the session stays, computes its pending token and pauses with its last
+        logits. Returns False when it was not generating."""
+        seq = self._session(request_id)
+        if not seq.generating or seq.request.is_finished:
+            return False
+        seq.finish_reason = "abort"
+        self._end_segment(seq, RequestStatus.FINISHED_ABORTED)
+        self._groups_to_report.add(seq.group_id)
+        return True
+
     def resample(
         self: LLMEngine,
         request_id: str,

@@ -1,0 +1,62 @@
+"""`build_app`: the FastAPI application of `loom serve` over an `AsyncLLMEngine`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+
+import loom
+from loom.engine.async_engine import AsyncLLMEngine
+from loom.server import openai_routes, session_routes
+from loom.server.errors import install_error_handlers
+from loom.server.limits import BodySizeLimit
+from loom.server.state import ServerConfig, ServerState
+
+
+def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
+    """The HTTP API: OpenAI's endpoints, sessions, health, version and metrics."""
+    from loom.server.chat_template import ChatTemplate
+    from loom.server.metrics import ServerMetrics
+
+    engine_config = engine.engine.config
+    state = ServerState(
+        engine=engine,
+        config=config,
+        chat_template=ChatTemplate.from_model(
+            engine_config.model_path, engine_config.tokenizer_path, config.chat_template
+        ),
+        metrics=ServerMetrics(engine.engine, config.served_model_name),
+    )
+    app = FastAPI(
+        title="Loom", version=loom.__version__,
+        description="OpenAI-compatible API of the Loom inference engine, with live sessions.",
+    )
+    app.state.loom = state
+    install_error_handlers(app)
+    app.include_router(openai_routes.router)
+    app.include_router(session_routes.router)
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the server can take requests."""
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> Any:
+        """Loom's version."""
+        return {"version": loom.__version__}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        """Prometheus metrics (engine gauges and counters, request histograms)."""
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
+    return app

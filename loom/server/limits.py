@@ -1,0 +1,76 @@
+"""Request-size and access limits: the body cap (413) and API keys (401)."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from loom.server.errors import error_body
+
+ASGIApp = Any
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413 before any handler reads it
+    (by its Content-Length, or while it streams in)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        """Pass the request on, or answer 413."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._reject(send)
+            return
+        received = 0
+        too_large = False
+
+        async def counting_receive() -> dict:
+            nonlocal received, too_large
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    too_large = True
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send)
+        except _BodyTooLarge:
+            await self._reject(send)
+
+    async def _reject(self, send: Any) -> None:
+        import json
+
+        body = json.dumps(error_body(
+            413, f"request body larger than {self.max_bytes} bytes (--max-request-body-bytes)"
+        )).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def check_api_key(authorization: str | None, api_keys: tuple[str, ...]) -> str | None:
+    """The key a request authenticates with ("" when the server has none), or None when it
+    is missing or wrong."""
+    if not api_keys:
+        return ""
+    if not authorization or not authorization.lower().startswith("bearer "):
+        return None
+    given = authorization[7:].strip()
+    for key in api_keys:
+        if hmac.compare_digest(given.encode(), key.encode()):
+            return key
+    return None

@@ -1,0 +1,321 @@
+"""OpenAI's endpoints: completions, chat completions (both streaming), models, tokenize."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from loom.engine.outputs import RequestOutput
+from loom.server.errors import APIError, error_body
+from loom.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from loom.server.responses import (
+    StreamState,
+    chat_logprobs,
+    completion_logprobs,
+    now,
+    sse,
+    usage,
+)
+from loom.server.state import ServerState
+
+router = APIRouter()
+
+
+def get_state(request: Request) -> ServerState:
+    """The server's shared state."""
+    return request.app.state.loom
+
+
+def authenticated(request: Request) -> str:
+    """Dependency: the caller's API key (401 without a valid one)."""
+    return get_state(request).authenticate(request)
+
+
+def _prompts(state: ServerState, prompt: Any) -> list[tuple[str | None, list[int]]]:
+    """`prompt` as (text, token ids) pairs: a string, token ids, or a list of either."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    out = []
+    vocab = state.engine.engine.runner.model_config.vocab_size
+    for item in prompt:
+        if isinstance(item, str):
+            if not item:
+                raise APIError(400, "prompt must not be empty", param="prompt")
+            out.append((item, state.tokenizer.encode(item, add_special_tokens=True)))
+        else:
+            if not item or any(t >= vocab for t in item):
+                raise APIError(400, f"prompt token ids must be a non-empty list in [0, {vocab})",
+                               param="prompt")
+            out.append((None, list(item)))
+    return out
+
+
+async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, Any]]:
+    """Items of several streams as they come, tagged with the stream's index."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((i, item))
+        except BaseException as exc:  # delivered to the consumer, which re-raises it
+            await queue.put((i, exc))
+            return
+        await queue.put((i, done))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = None
+    async for out in stream:
+        last = out
+    assert last is not None
+    return last
+
+
+class _Timed:
+    """A request's metrics timer fed by its outputs."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.timer = state.metrics.start_request() if state.metrics is not None else None
+
+    def saw(self, out: RequestOutput) -> None:
+        if self.timer is not None and any(o.token_ids for o in out.outputs):
+            self.timer.first_token()
+
+    def done(self, out: RequestOutput | None, reason: str | None = None) -> None:
+        if self.timer is None:
+            return
+        if out is None:
+            self.timer.finish(0, 0, reason or "abort")
+            return
+        generated = sum(len(o.token_ids) for o in out.outputs)
+        finish = reason or next((o.finish_reason for o in out.outputs if o.finish_reason), None)
+        self.timer.finish(len(out.prompt_token_ids), generated, finish)
+
+
+async def _timed_stream(state: ServerState, prompt_ids: list[int], params: Any,
+                        request_id: str) -> AsyncIterator[RequestOutput]:
+    timed, last = _Timed(state), None
+    try:
+        async for out in state.stream(prompt_ids, params, request_id):
+            timed.saw(out)
+            last = out
+            yield out
+    finally:
+        timed.done(last if last is not None and last.finished else None,
+                   None if last is not None and last.finished else "abort")
+
+
+def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except APIError as error:  # after the headers: report in the stream, then end it
+            yield sse(error_body(error.status, error.message, error.param, error.code))
+        yield sse("[DONE]")
+
+    return StreamingResponse(guarded(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def _holdback(params: Any) -> int:
+    stops = params.stop or []
+    return max((len(s) for s in stops), default=1) - 1
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request,
+                            key: str = Depends(authenticated)) -> Any:
+    """OpenAI's completions: a prompt (or several) continued, optionally streamed."""
+    state = get_state(request)
+    state.check_model(body.model)
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo with logprobs is not supported (prompt logprobs are not "
+                            "computed)", param="echo")
+    prompts = _prompts(state, body.prompt)
+    cid = f"cmpl-{uuid.uuid4().hex}"
+    params = [body.sampling_params(state.max_tokens(body.max_tokens, len(ids)), body.logprobs)
+              for _, ids in prompts]
+    streams = [_timed_stream(state, ids, p, f"{cid}-{i}")
+               for i, ((_, ids), p) in enumerate(zip(prompts, params, strict=True))]
+    decode = state.tokenizer.decode_token if hasattr(state.tokenizer, "decode_token") \
+        else (lambda t: state.tokenizer.decode([t]))
+    top_n = body.logprobs or 0
+
+    def echo_text(i: int) -> str:
+        text, ids = prompts[i]
+        return text if text is not None else state.tokenizer.decode(ids)
+
+    if not body.stream:
+        outs = await state.unless_disconnected(
+            request, asyncio.gather(*(_last(s) for s in streams)))
+        choices = []
+        for i, out in enumerate(outs):
+            for comp in out.outputs:
+                choices.append({
+                    "index": i * body.n + comp.index,
+                    "text": (echo_text(i) if body.echo else "") + comp.text,
+                    "logprobs": completion_logprobs(comp, decode, top_n)
+                    if body.logprobs is not None else None,
+                    "finish_reason": comp.finish_reason,
+                    "stop_reason": comp.stop_reason,
+                })
+        total = [usage(o) for o in outs]
+        return {"id": cid, "object": "text_completion", "created": now(), "model": body.model,
+                "choices": choices,
+                "usage": {k: sum(u[k] for u in total) for k in total[0]}}
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    async def events() -> AsyncIterator[str]:
+        states = [StreamState() for _ in streams]
+        last: dict[int, RequestOutput] = {}
+        created = now()
+        if body.echo:
+            for i in range(len(prompts)):
+                for j in range(body.n):
+                    yield sse({"id": cid, "object": "text_completion", "created": created,
+                               "model": body.model, "choices": [{
+                                   "index": i * body.n + j, "text": echo_text(i),
+                                   "logprobs": None, "finish_reason": None}]})
+        async for i, out in _merged(streams):
+            last[i] = out
+            for comp in out.outputs:
+                text, first, finished = states[i].delta(comp, _holdback(params[i]))
+                if not text and not finished:
+                    continue
+                yield sse({"id": cid, "object": "text_completion", "created": created,
+                           "model": body.model, "choices": [{
+                               "index": i * body.n + comp.index, "text": text,
+                               "logprobs": completion_logprobs(comp, decode, top_n, first)
+                               if body.logprobs is not None else None,
+                               "finish_reason": comp.finish_reason if finished else None,
+                               "stop_reason": comp.stop_reason if finished else None}]})
+        if include_usage:
+            total = [usage(o) for o in last.values()]
+            yield sse({"id": cid, "object": "text_completion", "created": created,
+                       "model": body.model, "choices": [],
+                       "usage": {k: sum(u[k] for u in total) for k in total[0]}})
+
+    return _sse_response(events())
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request,
+                                 key: str = Depends(authenticated)) -> Any:
+    """OpenAI's chat completions: messages through the chat template, optionally streamed."""
+    state = get_state(request)
+    state.check_model(body.model)
+    ids = state.chat_ids(body.messages, body.add_generation_prompt)
+    requested = body.max_completion_tokens or body.max_tokens
+    top_n = body.top_logprobs or 0
+    params = body.sampling_params(state.max_tokens(requested, len(ids)),
+                                  top_n if body.logprobs else None)
+    cid = f"chatcmpl-{uuid.uuid4().hex}"
+    stream = _timed_stream(state, ids, params, cid)
+    decode = lambda t: state.tokenizer.decode([t])  # noqa: E731
+
+    if not body.stream:
+        out = await state.unless_disconnected(request, _last(stream))
+        return {"id": cid, "object": "chat.completion", "created": now(), "model": body.model,
+                "choices": [{
+                    "index": comp.index,
+                    "message": {"role": "assistant", "content": comp.text},
+                    "logprobs": chat_logprobs(comp, decode, top_n) if body.logprobs else None,
+                    "finish_reason": comp.finish_reason,
+                    "stop_reason": comp.stop_reason,
+                } for comp in out.outputs],
+                "usage": usage(out)}
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    async def events() -> AsyncIterator[str]:
+        created, tracker, last = now(), StreamState(), None
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            return sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                        "model": body.model, "choices": choices, **extra})
+
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                      "logprobs": None, "finish_reason": None} for i in range(body.n)])
+        async for out in stream:
+            last = out
+            for comp in out.outputs:
+                text, first, finished = tracker.delta(comp, _holdback(params))
+                if not text and not finished:
+                    continue
+                yield chunk([{"index": comp.index,
+                              "delta": {"content": text} if text else {},
+                              "logprobs": chat_logprobs(comp, decode, top_n, first)
+                              if body.logprobs else None,
+                              "finish_reason": comp.finish_reason if finished else None}])
+        if include_usage and last is not None:
+            yield chunk([], usage=usage(last))
+
+    return _sse_response(events())
+
+
+@router.get("/v1/models")
+async def list_models(request: Request, key: str = Depends(authenticated)) -> Any:
+    """The one model this server serves."""
+    state = get_state(request)
+    return {"object": "list", "data": [{
+        "id": state.config.served_model_name, "object": "model", "created": now(),
+        "owned_by": "loom", "max_model_len": state.max_model_len}]}
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request,
+                   key: str = Depends(authenticated)) -> Any:
+    """Token ids of a prompt, or of messages through the chat template."""
+    state = get_state(request)
+    state.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+    if body.messages is not None:
+        ids = state.chat_ids(body.messages)
+    else:
+        ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request,
+                     key: str = Depends(authenticated)) -> Any:
+    """Text of token ids."""
+    state = get_state(request)
+    state.check_model(body.model)
+    vocab = state.engine.engine.runner.model_config.vocab_size
+    if any(t >= vocab for t in body.tokens):
+        raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+    return {"prompt": state.tokenizer.decode(body.tokens)}

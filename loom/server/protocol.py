@@ -1,0 +1,184 @@
+"""Request bodies of the HTTP API (pydantic): OpenAI's shapes, vLLM's extras, Loom's sessions.
+
+Unknown fields are rejected (`extra="forbid"`) so a misspelt parameter is an error naming it,
+not a silently ignored value. Responses are plain dicts built in `responses.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from loom.sampling_params import SamplingParams
+
+NonNegInt = Annotated[int, Field(ge=0)]
+
+
+class StrictModel(BaseModel):
+    """A request body: unknown fields are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(StrictModel):
+    """OpenAI's `stream_options`."""
+
+    include_usage: bool = False
+
+
+class SamplingFields(StrictModel):
+    """Sampling parameters shared by every generating endpoint (OpenAI names, vLLM extras)."""
+
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[NonNegInt] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
+        """The engine's parameters (OpenAI's defaults: temperature 1, top_p 1)."""
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+        )
+
+
+Prompt = Annotated[str, Field(min_length=1)] | list[NonNegInt] | list[str] | list[list[NonNegInt]]
+
+
+class CompletionRequest(SamplingFields):
+    """`POST /v1/completions`."""
+
+    model: str
+    prompt: Prompt
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class TextPart(StrictModel):
+    """One part of a message's content (only text is supported)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(StrictModel):
+    """One message of a conversation."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def as_template_input(self) -> dict[str, Any]:
+        """The dict a chat template sees."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class ChatCompletionRequest(SamplingFields):
+    """`POST /v1/chat/completions`."""
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(StrictModel):
+    """`POST /tokenize`: text, or messages through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(StrictModel):
+    """`POST /detokenize`."""
+
+    model: str | None = None
+    tokens: list[NonNegInt]
+
+
+class SessionCreateRequest(StrictModel):
+    """`POST /v1/sessions`: a live session over a prompt (or a conversation)."""
+
+    model: str | None = None
+    prompt: Annotated[str, Field(min_length=1)] | list[NonNegInt] | None = None
+    messages: list[ChatMessage] | None = None
+    pin: bool = False
+    ttl_s: float | None = Field(default=None, gt=0)
+
+
+class SessionGenerateRequest(SamplingFields):
+    """`POST /v1/sessions/{id}/generate`: one generation segment (n must be 1)."""
+
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    stream: bool = False
+
+
+class SessionAppendRequest(SessionGenerateRequest):
+    """`POST /v1/sessions/{id}/append`: a fragment; any sampling parameter given (or
+    `stream`) starts a generation segment right after it."""
+
+    text: str | None = None
+    token_ids: list[NonNegInt] | None = None
+    heal: bool = False
+
+    @property
+    def starts_generation(self) -> bool:
+        """True when the body asks for a segment after the fragment."""
+        sampling = set(SessionGenerateRequest.model_fields)
+        return bool(self.model_fields_set & sampling)
+
+
+class SessionResampleRequest(SamplingFields):
+    """`POST /v1/sessions/{id}/resample`: draw `n` tokens from the stored logits."""
+
+
+class SessionRewindRequest(StrictModel):
+    """`POST /v1/sessions/{id}/rewind`: drop the last tokens."""
+
+    num_tokens: int = Field(ge=1)

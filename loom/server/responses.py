@@ -1,0 +1,112 @@
+"""Response bodies in OpenAI's shapes, built from the engine's `RequestOutput`s.
+
+Streaming sends, per engine step, the text each choice gained since the previous step
+(`StreamState` remembers what was sent), then a final chunk with `finish_reason`, optional
+usage, and `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from loom.engine.outputs import CompletionOutput, RequestOutput
+
+
+def usage(output: RequestOutput) -> dict[str, int]:
+    """OpenAI's `usage` of a request's output."""
+    prompt = len(output.prompt_token_ids)
+    completion = sum(len(o.token_ids) for o in output.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def _sampled_logprob(position: dict[int, float], token_id: int) -> float:
+    return position.get(token_id, float("-inf"))
+
+
+def _top(position: dict[int, float], n: int) -> list[tuple[int, float]]:
+    return sorted(position.items(), key=lambda kv: -kv[1])[:n]
+
+
+def completion_logprobs(
+    completion: CompletionOutput, decode: Callable[[int], str], top_n: int,
+    start: int = 0, text_offset: int = 0,
+) -> dict[str, Any] | None:
+    """The completions API's `logprobs` object for tokens [start:] of a completion."""
+    if completion.logprobs is None:
+        return None
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = text_offset
+    for token_id, position in zip(completion.token_ids[start:], completion.logprobs[start:],
+                                  strict=False):
+        text = decode(token_id)
+        tokens.append(text)
+        token_logprobs.append(_sampled_logprob(position, token_id))
+        top_logprobs.append({decode(t): lp for t, lp in _top(position, top_n)} if top_n else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def chat_logprobs(
+    completion: CompletionOutput, decode: Callable[[int], str], top_n: int, start: int = 0
+) -> dict[str, Any] | None:
+    """The chat API's `logprobs` object (`content`: one entry per token) for tokens [start:]."""
+    if completion.logprobs is None:
+        return None
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = decode(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for token_id, position in zip(completion.token_ids[start:], completion.logprobs[start:],
+                                  strict=False):
+        item = entry(token_id, _sampled_logprob(position, token_id))
+        item["top_logprobs"] = [entry(t, lp) for t, lp in _top(position, top_n)]
+        content.append(item)
+    return {"content": content}
+
+
+@dataclass
+class StreamState:
+    """What a stream has sent so far, per choice: characters of text and tokens."""
+
+    sent_chars: dict[int, int] = field(default_factory=dict)
+    sent_tokens: dict[int, int] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+
+    def delta(self, completion: CompletionOutput, holdback: int = 0,
+              base: int = 0) -> tuple[str, int, bool]:
+        """The new text of a choice after character `base`, the index of its first new
+        token, and whether it just finished (each is reported once). Until it finishes,
+        the last `holdback` characters wait: they may be the start of a stop string that
+        the engine will cut."""
+        index = completion.index
+        chars = self.sent_chars.get(index, 0)
+        tokens = self.sent_tokens.get(index, 0)
+        full = completion.text[base:]
+        end = len(full) if completion.finished else max(chars, len(full) - holdback)
+        text = full[chars:end]
+        self.sent_chars[index] = max(chars, end)
+        self.sent_tokens[index] = len(completion.token_ids)
+        just_finished = completion.finished and index not in self.finished
+        if just_finished:
+            self.finished.add(index)
+        return text, tokens, just_finished
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One Server-Sent Event."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+def now() -> int:
+    """Seconds since the epoch, as OpenAI's `created`."""
+    return int(time.time())

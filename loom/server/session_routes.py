@@ -1,0 +1,221 @@
+"""Live sessions over HTTP (Loom's extension): open, append, generate, resample, rewind,
+inspect, close. A session belongs to the API key that opened it; other keys get 404."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from loom.engine.outputs import RequestOutput
+from loom.engine.session_ops import SessionView
+from loom.server.errors import APIError
+from loom.server.openai_routes import _sse_response, authenticated, get_state
+from loom.server.protocol import (
+    SessionAppendRequest,
+    SessionCreateRequest,
+    SessionGenerateRequest,
+    SessionResampleRequest,
+    SessionRewindRequest,
+)
+from loom.server.responses import StreamState, completion_logprobs, sse
+from loom.server.state import ServerState
+
+router = APIRouter(prefix="/v1/sessions")
+
+
+def _owned(state: ServerState, session_id: str, key: str) -> str:
+    """The session id when `key` owns a live session by that id; else 404 (never telling
+    another key's session from a missing one)."""
+    alive = session_id in state.engine.engine._groups
+    if state.session_owners.get(session_id) != key or not alive:
+        if not alive:
+            state.session_owners.pop(session_id, None)
+        raise APIError(404, f"unknown session {session_id!r}", param="id",
+                       code="session_not_found")
+    return session_id
+
+
+def _view(view: SessionView) -> dict[str, Any]:
+    return {"id": view.request_id, "object": "session", "status": view.status,
+            "num_tokens": len(view.token_ids), "num_prompt_tokens": view.num_prompt_tokens,
+            "num_computed_tokens": view.num_computed_tokens, "token_ids": list(view.token_ids),
+            "text": view.text, "generating": view.generating, "pinned": view.pinned}
+
+
+def _tree(out: RequestOutput) -> list[dict[str, Any]]:
+    """The `<promise>` children of an output, recursively."""
+    return [{"id": child.request_id,
+             "text": child.outputs[0].text if child.outputs else "",
+             "token_ids": child.outputs[0].token_ids if child.outputs else [],
+             "finish_reason": child.outputs[0].finish_reason if child.outputs else None,
+             "children": _tree(child)} for child in out.children]
+
+
+@router.post("")
+async def create_session(body: SessionCreateRequest, request: Request,
+                         key: str = Depends(authenticated)) -> Any:
+    """Open a session over a prompt (or messages): its prompt is computed and it pauses."""
+    state = get_state(request)
+    state.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+    owned = [sid for sid, owner in state.session_owners.items()
+             if owner == key and sid in state.engine.engine._groups]
+    if len(owned) >= state.config.max_sessions_per_key:
+        raise APIError(429, f"this API key has {len(owned)} open sessions, the most allowed "
+                            f"(--max-sessions-per-key={state.config.max_sessions_per_key}); "
+                            "close one first", code="too_many_sessions")
+    prompt: str | list[int]
+    if body.messages is not None:
+        prompt = state.chat_ids(body.messages, add_generation_prompt=False)
+    else:
+        assert body.prompt is not None
+        prompt = body.prompt
+    session_id = f"sess-{uuid.uuid4().hex}"
+    await state.engine.add_request(session_id, prompt, None, session=True, pin=body.pin,
+                                   ttl_s=body.ttl_s)
+    state.session_owners[session_id] = key
+    view = await state.engine.get_session(session_id)
+    return {"id": session_id, "object": "session", "num_tokens": len(view.token_ids)}
+
+
+async def _segment(state: ServerState, session_id: str, body: SessionGenerateRequest,
+                   request: Request, start: Any) -> Any:
+    """Run one generation segment started by `start(params)`: its text, tokens and finish
+    reason (or a stream of them). A client that leaves stops the segment; the session stays."""
+    if body.n != 1:
+        raise APIError(400, "a session generates one sequence: n must be 1", param="n")
+    engine = state.engine
+    before = await engine.get_session(session_id)
+    params = body.sampling_params(
+        state.max_tokens(body.max_tokens, len(before.token_ids) + 1), body.logprobs)
+    await start(params)
+    num_before = len(before.token_ids) - before.num_prompt_tokens
+    base = len(state.tokenizer.decode(list(before.token_ids[before.num_prompt_tokens:])))
+    decode = lambda t: state.tokenizer.decode([t])  # noqa: E731
+    top_n = body.logprobs or 0
+
+    async def outputs() -> AsyncIterator[RequestOutput]:
+        done = False
+        try:
+            async for out in engine.outputs(session_id):
+                if out.error is not None:
+                    done = True
+                    raise APIError(503, out.error, code="request_failed")
+                done = out.segment_finished or out.finished
+                yield out
+        finally:
+            if not done and session_id in engine.engine._groups:
+                await asyncio.shield(engine.stop_generation(session_id))
+
+    def result(out: RequestOutput) -> dict[str, Any]:
+        comp = out.outputs[0]
+        return {"id": session_id, "object": "session.generation",
+                "text": comp.text[base:], "token_ids": comp.token_ids[num_before:],
+                "finish_reason": comp.finish_reason,
+                "logprobs": completion_logprobs(comp, decode, top_n, num_before)
+                if body.logprobs is not None else None,
+                "usage": {"prompt_tokens": len(before.token_ids),
+                          "completion_tokens": len(comp.token_ids) - num_before},
+                "children": _tree(out)}
+
+    if not body.stream:
+        async def collect() -> dict[str, Any]:
+            last = None
+            async for out in outputs():
+                last = out
+            assert last is not None
+            return result(last)
+
+        return await state.unless_disconnected(request, collect())
+
+    async def events() -> AsyncIterator[str]:
+        tracker = StreamState(sent_tokens={0: num_before})
+        holdback = max((len(s) for s in params.stop or []), default=1) - 1
+        async for out in outputs():
+            comp = out.outputs[0]
+            text, first, finished = tracker.delta(comp, holdback, base)
+            if text or finished:
+                yield sse({"id": session_id, "object": "session.generation.chunk",
+                           "text": text, "token_ids": comp.token_ids[first:],
+                           "finish_reason": comp.finish_reason if finished else None})
+            if finished:
+                yield sse({**result(out), "object": "session.generation"})
+
+    return _sse_response(events())
+
+
+@router.post("/{session_id}/generate")
+async def generate(session_id: str, body: SessionGenerateRequest, request: Request,
+                   key: str = Depends(authenticated)) -> Any:
+    """Generate one segment from the session's stored logits, then pause again."""
+    state = get_state(request)
+    _owned(state, session_id, key)
+    return await _segment(state, session_id, body, request,
+                          lambda params: state.engine.resume(session_id, params))
+
+
+@router.post("/{session_id}/append")
+async def append(session_id: str, body: SessionAppendRequest, request: Request,
+                 key: str = Depends(authenticated)) -> Any:
+    """Append text or token ids; with sampling parameters, generate a segment after them."""
+    state = get_state(request)
+    _owned(state, session_id, key)
+    if (body.text is None) == (body.token_ids is None):
+        raise APIError(400, "give exactly one of text or token_ids", param="text")
+    fragment: str | list[int] = body.text if body.text is not None else list(body.token_ids or [])
+    if body.starts_generation:
+        return await _segment(
+            state, session_id, body, request,
+            lambda params: state.engine.prefill(session_id, fragment, params, heal=body.heal))
+    appended = await state.engine.prefill(session_id, fragment, heal=body.heal)
+    view = await state.engine.get_session(session_id)
+    return {"id": session_id, "object": "session", "appended_tokens": appended,
+            "num_tokens": len(view.token_ids)}
+
+
+@router.post("/{session_id}/resample")
+async def resample(session_id: str, body: SessionResampleRequest, request: Request,
+                   key: str = Depends(authenticated)) -> Any:
+    """Draw `n` tokens from the stored logits; the session does not change."""
+    state = get_state(request)
+    _owned(state, session_id, key)
+    params = body.sampling_params(max_tokens=1)
+    samples = await state.unless_disconnected(
+        request, state.engine.resample(session_id, params.with_updates(n=1), body.n))
+    return {"id": session_id, "object": "session.samples", "samples": [
+        {"token_id": s.token_id, "text": s.text, "logprob": s.logprob} for s in samples]}
+
+
+@router.post("/{session_id}/rewind")
+async def rewind(session_id: str, body: SessionRewindRequest, request: Request,
+                 key: str = Depends(authenticated)) -> Any:
+    """Drop the session's last tokens."""
+    state = get_state(request)
+    _owned(state, session_id, key)
+    await state.engine.rewind(session_id, body.num_tokens)
+    return _view(await state.engine.get_session(session_id))
+
+
+@router.get("/{session_id}")
+async def get_session(session_id: str, request: Request,
+                      key: str = Depends(authenticated)) -> Any:
+    """The session's tokens, text and status."""
+    state = get_state(request)
+    _owned(state, session_id, key)
+    return _view(await state.engine.get_session(session_id))
+
+
+@router.delete("/{session_id}")
+async def close_session(session_id: str, request: Request,
+                        key: str = Depends(authenticated)) -> Any:
+    """Close the session and free its KV."""
+    state = get_state(request)
+    _owned(state, session_id, key)
+    await state.engine.close(session_id)
+    state.session_owners.pop(session_id, None)
+    return {"id": session_id, "object": "session", "deleted": True}

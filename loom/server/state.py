@@ -1,0 +1,148 @@
+"""`ServerConfig` (the server's own flags) and `ServerState` (what every route shares)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from loom.engine.async_engine import AsyncLLMEngine
+from loom.engine.outputs import RequestOutput
+from loom.sampling_params import SamplingParams
+from loom.server.errors import APIError
+from loom.server.limits import check_api_key
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What `loom serve` adds to the engine's arguments."""
+
+    served_model_name: str
+    api_keys: tuple[str, ...] = ()
+    chat_template: str | None = None  # a Jinja file overriding the model's template
+    max_sessions_per_key: int = 64
+    max_request_body_bytes: int = 4 * 2**20
+    max_tokens_cap: int | None = None  # most tokens one request may generate (None: context)
+    allowed_origins: tuple[str, ...] = ()
+
+
+@dataclass
+class ServerState:
+    """The engine, the model's chat template, metrics, and who owns which session."""
+
+    engine: AsyncLLMEngine
+    config: ServerConfig
+    chat_template: Any = None  # loom.server.chat_template.ChatTemplate, or None
+    metrics: Any = None  # loom.server.metrics.ServerMetrics
+    session_owners: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer."""
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """The context limit in tokens."""
+        return self.engine.engine.config.max_model_len
+
+    def authenticate(self, request: Request) -> str:
+        """The caller's API key ("" without keys); 401 when it is missing or wrong."""
+        key = check_api_key(request.headers.get("authorization"), self.config.api_keys)
+        if key is None:
+            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+        return key
+
+    def check_model(self, model: str | None) -> None:
+        """404 for a model name this server does not serve (None: the served one)."""
+        if model is not None and model != self.config.served_model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves "
+                                f"{self.config.served_model_name!r}", param="model",
+                           code="model_not_found")
+
+    def max_tokens(self, requested: int | None, prompt_len: int) -> int:
+        """The request's max_tokens: the cap and the context left after the prompt bound it;
+        asking for more than either is a 400 naming max_tokens."""
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context "
+                                f"limit is {self.max_model_len} tokens", param="prompt",
+                           code="context_length_exceeded")
+        cap = self.config.max_tokens_cap
+        limit = room if cap is None else min(room, cap)
+        if requested is None:
+            return limit
+        if cap is not None and requested > cap:
+            raise APIError(400, f"max_tokens={requested} exceeds this server's cap of {cap}",
+                           param="max_tokens")
+        if requested > room:
+            raise APIError(400, f"this model's context limit is {self.max_model_len} tokens: "
+                                f"{prompt_len} in the prompt leave {room} for max_tokens, "
+                                f"{requested} requested", param="max_tokens",
+                           code="context_length_exceeded")
+        return requested
+
+    def chat_ids(self, messages: Sequence[Any], add_generation_prompt: bool = True) -> list[int]:
+        """A conversation's prompt ids through the chat template (400 when there is none)."""
+        if self.chat_template is None:
+            raise APIError(400, f"model {self.config.served_model_name!r} has no chat template; "
+                                "start the server with --chat-template FILE", param="messages",
+                           code="no_chat_template")
+        return self.chat_template.render_ids(
+            self.tokenizer, [m.as_template_input() for m in messages],
+            add_generation_prompt=add_generation_prompt,
+        )
+
+    # ---- running requests ---------------------------------------------------------------
+
+    async def stream(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Run one request, yielding its output after each step; whatever ends the iteration
+        early (a client that went away, an error) aborts it and frees its KV."""
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        engine = self.engine
+        await engine.add_request(request_id, prompt_ids, params)
+        finished = False
+        try:
+            async for out in engine.outputs(request_id):
+                if out.error is not None:
+                    finished = True
+                    # The engine could not serve it (KV pool held by pinned sessions, a
+                    # failed KV load under "fail"): nothing wrong with the request itself.
+                    raise APIError(503, out.error, code="request_failed")
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished and request_id in engine.engine._groups:
+                await asyncio.shield(engine.abort(request_id))
+
+    @staticmethod
+    async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+        """Await `work`, cancelling it (and so aborting its request) if the client leaves."""
+        task = asyncio.ensure_future(work)
+
+        async def watch() -> None:
+            while not task.done():
+                if await request.is_disconnected():
+                    task.cancel()
+                    return
+                await asyncio.sleep(0.25)
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            return await task
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher

@@ -1,0 +1,71 @@
+"""A real `loom serve` app under uvicorn on a free loopback port, in a background thread."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+uvicorn = pytest.importorskip("uvicorn")
+
+
+@dataclass
+class RunningServer:
+    """A server's address and its objects (for leak checks)."""
+
+    base_url: str
+    engine: object  # AsyncLLMEngine
+    app: object
+
+    @property
+    def llm_engine(self):
+        """The synchronous engine inside."""
+        return self.engine.engine
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def run_server(engine_args, **server_config) -> Iterator[RunningServer]:
+    """Build the engine and app, serve them on 127.0.0.1, stop at exit."""
+    from loom.engine.async_engine import AsyncLLMEngine
+    from loom.server.app import build_app
+    from loom.server.state import ServerConfig
+
+    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    server_config.setdefault("served_model_name", "test-model")
+    app = build_app(engine, ServerConfig(**server_config))
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield RunningServer(f"http://127.0.0.1:{port}", engine, app)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def wait_until(predicate, timeout: float = 10.0) -> bool:
+    """Poll `predicate` until it holds (True) or the timeout passes (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()

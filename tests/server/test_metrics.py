@@ -1,0 +1,279 @@
+"""`ServerMetrics`: engine gauges at scrape time, request metrics, optional groups, isolation."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from engine.helpers import make_engine, prompt_ids, run_to_completion
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+
+from loom import SamplingParams
+from loom.engine.hooks import HookContext, SequenceHook
+from loom.kv_connector import KVTransferConfig
+from loom.server.metrics import ServerMetrics, token_buckets
+
+MODEL = "tiny"
+PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+PREFIX_CACHE = ["loom:prefix_cache_queries", "loom:prefix_cache_hits",
+                "loom:prefix_cache_hit_rate"]
+SPEC = ["loom:spec_decode_num_draft_tokens", "loom:spec_decode_num_accepted_tokens",
+        "loom:spec_decode_acceptance_rate"]
+CONNECTOR = ["loom:kv_connector_loaded_tokens", "loom:kv_connector_gap_tokens",
+             "loom:kv_connector_load_failed_tokens", "loom:kv_connector_saved_blocks"]
+
+
+def scrape(metrics: ServerMetrics) -> dict[str, dict[tuple, float]]:
+    """Render and parse: family name -> {(sample name, sorted labels): value}."""
+    body, content_type = metrics.render()
+    assert content_type.startswith("text/plain")
+    families = {}
+    for family in text_string_to_metric_families(body.decode()):
+        families[family.name] = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value for s in family.samples
+        }
+    return families
+
+
+def value(families, family: str, sample: str | None = None, **labels) -> float:
+    """One sample's value (labels besides model_name given as keywords)."""
+    key = (sample or family, tuple(sorted({"model_name": MODEL, **labels}.items())))
+    return families[family][key]
+
+
+class BlockOnFirstToken(SequenceHook):
+    """Blocks the sequence `seq_id` after its first token (nothing unblocks it)."""
+
+    def __init__(self, seq_id: str) -> None:
+        self.seq_id = seq_id
+
+    def on_token(self, ctx: HookContext, seq_id: str, token_id: int) -> None:
+        if seq_id == self.seq_id and not ctx.is_blocked(seq_id):
+            ctx.block(seq_id)
+
+
+def test_gauges_read_the_engine_at_scrape_time(tiny_models):
+    folder, _ = tiny_models["llama"]
+    engine = make_engine(folder, num_kv_blocks=64, max_num_seqs=2,
+                         hooks=[BlockOnFirstToken("blocked")])
+    metrics = ServerMetrics(engine, MODEL)
+    m = scrape(metrics)
+    for name in ("running", "waiting", "paused", "blocked"):
+        assert value(m, f"loom:num_requests_{name}") == 0
+    assert value(m, "loom:num_kv_blocks_total") == 64
+    assert value(m, "loom:num_kv_blocks_used") == 0
+    assert value(m, "loom:kv_cache_usage_perc") == 0.0
+
+    engine.add_request("paused", prompt_ids(9), session=True)  # prefill only, then pauses
+    engine.add_request("blocked", prompt_ids(7, 1), PARAMS)
+    run_to_completion(engine)  # stops when nothing waits or runs: both are idle
+    m = scrape(metrics)
+    assert value(m, "loom:num_requests_running") == value(m, "loom:num_requests_waiting") == 0
+    assert value(m, "loom:num_requests_paused") == 1
+    assert value(m, "loom:num_requests_blocked") == 1
+    used = 64 - engine.num_free_blocks
+    assert used > 0
+    assert value(m, "loom:num_kv_blocks_used") == used
+    assert value(m, "loom:kv_cache_usage_perc") == pytest.approx(engine.stats.kv_cache_usage)
+
+    for i in range(4):
+        engine.add_request(f"r{i}", prompt_ids(6, 10 + i), PARAMS)
+    engine.step()
+    m = scrape(metrics)
+    assert value(m, "loom:num_requests_running") == len(engine.scheduler.running) == 2
+    assert value(m, "loom:num_requests_waiting") == len(engine.scheduler.waiting) == 2
+    assert value(m, "loom:num_kv_blocks_used") == 64 - engine.num_free_blocks
+    assert value(m, "loom:num_engine_steps", "loom:num_engine_steps_total") == engine.num_steps
+    assert value(m, "loom:num_preemptions", "loom:num_preemptions_total") == (
+        engine.stats.num_preemptions
+    )
+
+    run_to_completion(engine)
+    engine.abort_request("blocked")
+    engine.close("paused")
+    m = scrape(metrics)
+    for name in ("running", "waiting", "paused", "blocked"):
+        assert value(m, f"loom:num_requests_{name}") == 0
+    assert value(m, "loom:num_kv_blocks_used") == 0
+    assert engine.kv_pool_all_free
+
+
+def test_request_metrics_from_engine_outputs(tiny_models):
+    folder, _ = tiny_models["qwen2"]
+    engine = make_engine(folder)
+    metrics = ServerMetrics(engine, MODEL)
+    prompts = {f"r{i}": prompt_ids(5 + 3 * i, i) for i in range(3)}
+    timers = {}
+    for rid, ids in prompts.items():
+        timers[rid] = metrics.start_request()
+        engine.add_request(rid, ids, PARAMS)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            completion = out.outputs[0]
+            timers[out.request_id].tokens(len(completion.token_ids))
+            if out.finished:
+                timers[out.request_id].finish(
+                    len(out.prompt_token_ids), len(completion.token_ids), completion.finish_reason
+                )
+    aborted = metrics.start_request()  # a client that left before its first token
+    aborted.finish(4, 0, "abort")
+    aborted.finish(4, 0, "abort")  # idempotent
+    timers["r0"].finish(100, 100, "stop")  # already recorded: ignored
+
+    m = scrape(metrics)
+    prompt_total = sum(len(ids) for ids in prompts.values()) + 4
+    assert value(m, "loom:prompt_tokens", "loom:prompt_tokens_total") == prompt_total
+    assert value(m, "loom:generation_tokens", "loom:generation_tokens_total") == 3 * 5
+    success = "loom:request_success"
+    assert value(m, success, success + "_total", finished_reason="length") == 3
+    assert value(m, success, success + "_total", finished_reason="abort") == 1
+    assert value(m, success, success + "_total", finished_reason="stop") == 0  # from start
+
+    def count(name: str) -> float:
+        return value(m, name, name + "_count")
+
+    assert count("loom:time_to_first_token_seconds") == 3  # the aborted one had none
+    assert count("loom:time_per_output_token_seconds") == 3
+    assert count("loom:e2e_request_latency_seconds") == 4
+    assert count("loom:request_prompt_tokens") == 4
+    assert count("loom:request_generation_tokens") == 4
+    gen = "loom:request_generation_tokens"
+    assert value(m, gen, gen + "_sum") == 15
+    assert value(m, gen, gen + "_bucket", le="5.0") == 4
+    assert value(m, gen, gen + "_bucket", le="2.0") == 1  # the aborted request's 0 tokens
+
+
+def test_timer_latencies_with_a_fake_clock(tiny_models):
+    folder, _ = tiny_models["llama"]
+    now = [10.0]
+    metrics = ServerMetrics(make_engine(folder), MODEL, clock=lambda: now[0])
+    timer = metrics.start_request()
+    now[0] = 10.5
+    timer.tokens(0)  # nothing yet: no first token
+    now[0] = 11.0
+    timer.tokens(1)  # TTFT 1.0
+    now[0] = 12.0
+    timer.first_token()  # idempotent: TTFT stays 1.0
+    timer.tokens(3)
+    now[0] = 13.0
+    timer.tokens(5)
+    timer.finish(prompt_tokens=7, finish_reason="stop")  # generation tokens default to 5
+    single = metrics.start_request()
+    single.tokens(1)
+    single.finish(3, 1, None)  # one token: no TPOT; no reason: "unknown"
+
+    m = scrape(metrics)
+    ttft, tpot = "loom:time_to_first_token_seconds", "loom:time_per_output_token_seconds"
+    e2e = "loom:e2e_request_latency_seconds"
+    assert value(m, ttft, ttft + "_sum") == pytest.approx(1.0)
+    assert value(m, ttft, ttft + "_bucket", le="1.0") == 2  # 1.0 and the single one's 0.0
+    assert value(m, ttft, ttft + "_bucket", le="0.75") == 1
+    assert value(m, tpot, tpot + "_count") == 1
+    assert value(m, tpot, tpot + "_sum") == pytest.approx((13.0 - 11.0) / 4)
+    assert value(m, e2e, e2e + "_sum") == pytest.approx(3.0)
+    assert value(m, "loom:generation_tokens", "loom:generation_tokens_total") == 6
+    success = "loom:request_success"
+    assert value(m, success, success + "_total", finished_reason="unknown") == 1
+    assert value(m, success, success + "_total", finished_reason="stop") == 1
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_prefix_cache_metrics_only_when_enabled(tiny_models, enabled):
+    folder, _ = tiny_models["gemma3"]
+    engine = make_engine(folder, enable_prefix_caching=enabled)
+    metrics = ServerMetrics(engine, MODEL)
+    shared = prompt_ids(24)
+    for i in range(2):
+        engine.add_request(f"r{i}", shared + prompt_ids(3, 50 + i), PARAMS)
+        run_to_completion(engine)
+    m = scrape(metrics)
+    if not enabled:
+        assert not set(PREFIX_CACHE) & set(m)
+        return
+    stats = engine.stats
+    assert stats.prefix_cache_hits > 0
+    assert value(m, PREFIX_CACHE[0], PREFIX_CACHE[0] + "_total") == stats.prefix_cache_queries
+    assert value(m, PREFIX_CACHE[1], PREFIX_CACHE[1] + "_total") == stats.prefix_cache_hits
+    assert value(m, PREFIX_CACHE[2]) == pytest.approx(stats.prefix_cache_hit_rate)
+    assert m[PREFIX_CACHE[0]]  # typed as a counter by the parser (name without "_total")
+
+
+def test_spec_decode_and_connector_metrics_only_when_configured(tiny_models, tmp_path):
+    folder, _ = tiny_models["llama"]
+    plain = scrape(ServerMetrics(make_engine(folder), MODEL))
+    assert not set(SPEC + CONNECTOR) & set(plain)
+    assert "loom:num_requests_running" in plain
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    engine = make_engine(folder, speculative_config=spec)
+    metrics = ServerMetrics(engine, MODEL)
+    long = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    engine.add_request("r", [prompt_ids(4)[i % 4] for i in range(24)], long)
+    run_to_completion(engine)
+    m = scrape(metrics)
+    assert not set(CONNECTOR) & set(m)
+    stats = engine.stats
+    assert stats.num_draft_tokens > 0
+    assert value(m, SPEC[0], SPEC[0] + "_total") == stats.num_draft_tokens
+    assert value(m, SPEC[1], SPEC[1] + "_total") == stats.num_accepted_draft_tokens
+    rate = stats.num_accepted_draft_tokens / stats.num_draft_tokens if stats.num_draft_tokens \
+        else 0.0
+    assert value(m, SPEC[2]) == pytest.approx(rate)
+
+    config = KVTransferConfig("SharedStorageConnector", kv_role="kv_both",
+                              kv_connector_extra_config={"shared_storage_path": str(tmp_path)})
+    engine = make_engine(folder, kv_transfer_config=config)
+    metrics = ServerMetrics(engine, MODEL)
+    engine.add_request("r", prompt_ids(21), PARAMS)
+    run_to_completion(engine)
+    m = scrape(metrics)
+    assert not set(SPEC) & set(m)
+    saved = engine.stats.kv_saved_blocks
+    assert saved > 0
+    assert value(m, CONNECTOR[3], CONNECTOR[3] + "_total") == saved
+    assert value(m, CONNECTOR[0], CONNECTOR[0] + "_total") == engine.stats.kv_loaded_tokens
+
+
+def test_two_servers_in_one_process_do_not_collide(tiny_models):
+    folder, _ = tiny_models["llama"]
+    engine = make_engine(folder)
+    first = ServerMetrics(engine, MODEL)
+    second = ServerMetrics(engine, MODEL)  # same names, same labels: separate registries
+    first.start_request().finish(3, 2, "stop")
+    assert value(scrape(first), "loom:prompt_tokens", "loom:prompt_tokens_total") == 3
+    assert value(scrape(second), "loom:prompt_tokens", "loom:prompt_tokens_total") == 0
+    assert not any(m.name.startswith("loom:") for m in REGISTRY.collect())
+
+
+def test_token_buckets():
+    assert token_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+    assert token_buckets(4096)[-1] == 2000
+    assert token_buckets(0) == [1]
+
+
+def test_scrapes_while_a_thread_steps_the_engine(tiny_models):
+    folder, _ = tiny_models["qwen3"]
+    engine = make_engine(folder, num_kv_blocks=32, max_num_seqs=3)
+    metrics = ServerMetrics(engine, MODEL)
+    for i in range(8):
+        engine.add_request(f"r{i}", prompt_ids(10, i), PARAMS, session=i % 2 == 0)
+    done = threading.Event()
+
+    def stepper() -> None:
+        try:
+            run_to_completion(engine)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=stepper)
+    thread.start()
+    scrapes = 0
+    while not done.is_set() or scrapes == 0:
+        m = scrape(metrics)
+        assert 0.0 <= value(m, "loom:kv_cache_usage_perc") <= 1.0
+        scrapes += 1
+    thread.join()
+    m = scrape(metrics)
+    assert value(m, "loom:num_requests_paused") == 4
+    assert value(m, "loom:num_kv_blocks_used") == 32 - engine.num_free_blocks
