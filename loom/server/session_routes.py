@@ -169,9 +169,15 @@ async def append(session_id: str, body: SessionAppendRequest, request: Request,
         raise APIError(400, "give exactly one of text or token_ids", param="text")
     fragment: str | list[int] = body.text if body.text is not None else list(body.token_ids or [])
     if body.starts_generation:
-        return await _segment(
-            state, session_id, body, request,
-            lambda params: state.engine.prefill(session_id, fragment, params, heal=body.heal))
+        if body.n != 1:
+            raise APIError(400, "a session generates one sequence: n must be 1", param="n")
+        # The fragment is computed first (its logits stored), then the segment samples its
+        # first token from them: the same tokens as generating right after the fragment,
+        # and the segment's text starts after the fragment.
+        await state.engine.prefill(session_id, fragment, heal=body.heal)
+        await state.unless_disconnected(request, state.engine.wait_for_logits(session_id))
+        return await _segment(state, session_id, body, request,
+                              lambda params: state.engine.resume(session_id, params))
     appended = await state.engine.prefill(session_id, fragment, heal=body.heal)
     view = await state.engine.get_session(session_id)
     return {"id": session_id, "object": "session", "appended_tokens": appended,

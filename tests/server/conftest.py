@@ -36,12 +36,19 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def run_server(engine_args, **server_config) -> Iterator[RunningServer]:
-    """Build the engine and app, serve them on 127.0.0.1, stop at exit."""
+    """Build the engine (or wrap an `LLMEngine` given instead of `EngineArgs`) and the app,
+    serve them on 127.0.0.1, stop at exit."""
     from loom.engine.async_engine import AsyncLLMEngine
+    from loom.engine.llm_engine import LLMEngine
     from loom.server.app import build_app
     from loom.server.state import ServerConfig
 
-    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    if isinstance(engine_args, LLMEngine):
+        inline = engine_args.run_async_calls_inline
+        engine = AsyncLLMEngine(engine_args)
+    else:
+        inline = None
+        engine = AsyncLLMEngine.from_engine_args(engine_args)
     server_config.setdefault("served_model_name", "test-model")
     app = build_app(engine, ServerConfig(**server_config))
     port = _free_port()
@@ -59,6 +66,8 @@ def run_server(engine_args, **server_config) -> Iterator[RunningServer]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+        if inline is not None:  # a shared engine goes back to synchronous use
+            engine.engine.run_async_calls_inline = inline
 
 
 def wait_until(predicate, timeout: float = 10.0) -> bool:

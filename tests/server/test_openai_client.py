@@ -1,0 +1,209 @@
+"""`loom serve` through the real `openai` client and plain HTTP: the same tokens as the
+engine's offline API, streaming equal to non-streaming, and a madlibs session over HTTP
+equal to the same session run through the engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from engine.helpers import run_to_completion
+from server.conftest import run_server
+
+from loom import LLM, SamplingParams
+from loom.engine.config import EngineArgs
+from loom.server.chat_template import ChatTemplate
+
+openai = pytest.importorskip("openai")
+
+TEMPLATE = Path(__file__).resolve().parents[2] / "examples/chat_templates/gemma3.jinja"
+MODEL = "test-model"
+PROMPTS = ["The quick brown fox", "Once upon a time in a land"]
+MESSAGES = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Say something about foxes."}]
+
+
+def tiny_args(folder) -> EngineArgs:
+    return EngineArgs(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=256,
+                      block_size=4)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models):
+    folder, _ = tiny_models["gemma3"]
+    with run_server(tiny_args(folder), served_model_name=MODEL,
+                    chat_template=str(TEMPLATE)) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused",
+                               max_retries=0, timeout=60)
+        llm = LLM(**vars(tiny_args(folder)))
+        yield server, client, llm
+    assert server.llm_engine.kv_pool_all_free
+
+
+def offline(llm, prompt, **params):
+    return llm.generate([prompt], SamplingParams(**params), use_tqdm=False)[0].outputs
+
+
+def test_completions_equal_the_offline_api(tiny):
+    _server, client, llm = tiny
+    greedy = dict(max_tokens=8, temperature=0.0)
+    response = client.completions.create(model=MODEL, prompt=PROMPTS, **greedy)
+    assert [c.index for c in response.choices] == [0, 1]
+    for choice, prompt in zip(response.choices, PROMPTS, strict=True):
+        expected = offline(llm, prompt, **greedy)[0]
+        assert choice.text == expected.text and choice.finish_reason == "length"
+    prompt_tokens = sum(len(llm.tokenizer.encode(p, add_special_tokens=True)) for p in PROMPTS)
+    assert response.usage.prompt_tokens == prompt_tokens
+    assert response.usage.completion_tokens == 16
+    ids = llm.tokenizer.encode(PROMPTS[0], add_special_tokens=True)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, **greedy)
+    assert by_ids.choices[0].text == response.choices[0].text
+
+
+def test_streaming_equals_non_streaming_with_usage(tiny):
+    _, client, _ = tiny
+    params = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=10, temperature=0.0)
+    whole = client.completions.create(**params).choices[0]
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True},
+                                            **params))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_n_and_seed_are_reproducible(tiny):
+    _, client, llm = tiny
+    params = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=1.0, n=3, seed=11)
+    first = client.completions.create(**params)
+    again = client.completions.create(**params)
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert sorted(c.index for c in first.choices) == [0, 1, 2]
+    expected = offline(llm, PROMPTS[0], max_tokens=6, temperature=1.0, n=3, seed=11)
+    assert [c.text for c in first.choices] == [o.text for o in expected]
+    other = client.completions.create(**{**params, "seed": 12})
+    assert [c.text for c in other.choices] != [c.text for c in first.choices]
+
+
+def test_logprobs_and_stop(tiny):
+    _, client, llm = tiny
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6,
+                                         temperature=0.0, logprobs=2)
+    logprobs = response.choices[0].logprobs
+    expected = offline(llm, PROMPTS[0], max_tokens=6, temperature=0.0, logprobs=2)[0]
+    assert len(logprobs.tokens) == 6 and all(len(top) <= 3 for top in logprobs.top_logprobs)
+    for got, token_id, position in zip(logprobs.token_logprobs, expected.token_ids,
+                                       expected.logprobs, strict=True):
+        assert got == pytest.approx(position[token_id], abs=1e-5)
+    text = response.choices[0].text
+    stop = text[len(text) // 2:][:3]
+    if stop.strip():
+        cut = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6,
+                                        temperature=0.0, stop=[stop]).choices[0]
+        assert cut.finish_reason == "stop" and cut.text == text[: text.index(stop)]
+
+
+def test_echo_prepends_the_prompt(tiny):
+    _, client, _ = tiny
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4,
+                                      temperature=0.0).choices[0].text
+    echoed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4,
+                                       temperature=0.0, echo=True).choices[0].text
+    assert echoed == PROMPTS[0] + plain
+
+
+def test_chat_through_the_template_equals_the_offline_api(tiny):
+    _server, client, llm = tiny
+    template = ChatTemplate.from_model(Path("."), Path("."), TEMPLATE)
+    ids = template.render_ids(llm.tokenizer, MESSAGES)
+    expected = offline(llm, ids, max_tokens=8, temperature=0.0)[0]
+    response = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
+                                              temperature=0.0, logprobs=True, top_logprobs=2)
+    choice = response.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == expected.text
+    assert response.usage.prompt_tokens == len(ids)
+    assert len(choice.logprobs.content) == 8
+    assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8,
+                                            temperature=0.0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) \
+        == expected.text
+
+
+def test_models_tokenize_and_errors_through_the_client(tiny):
+    server, client, llm = tiny
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="other", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=5)
+    tokens = httpx.post(f"{server.base_url}/tokenize", json={"prompt": PROMPTS[0]}).json()
+    assert tokens["tokens"] == llm.tokenizer.encode(PROMPTS[0], add_special_tokens=True)
+    text = httpx.post(f"{server.base_url}/detokenize",
+                      json={"tokens": tokens["tokens"][1:]}).json()["prompt"]
+    assert text == PROMPTS[0]
+
+
+def test_a_madlibs_session_over_http_equals_the_engine(tiny, tiny_models):
+    """Open, generate, append, generate, append, generate: the same tokens and segment texts
+    as the same operations on an engine."""
+    server, _, _ = tiny
+    folder, _ = tiny_models["gemma3"]
+    engine = LLM(**vars(tiny_args(folder))).engine
+    story = ["Once upon a time", " there lived a", ". One day the", " went to"]
+    greedy = {"max_tokens": 5, "temperature": 0.0}
+
+    http = httpx.Client(base_url=server.base_url, timeout=60)
+    sid = http.post("/v1/sessions", json={"prompt": story[0]}).json()["id"]
+    http_segments = [http.post(f"/v1/sessions/{sid}/generate", json=greedy).json()]
+    for fragment in story[1:]:
+        http_segments.append(
+            http.post(f"/v1/sessions/{sid}/append", json={"text": fragment, **greedy}).json())
+    http_view = http.get(f"/v1/sessions/{sid}").json()
+
+    engine.add_request("s", story[0], session=True)
+    run_to_completion(engine)
+    engine.resume("s", SamplingParams(**greedy))
+    run_to_completion(engine)
+    for fragment in story[1:]:
+        engine.prefill("s", fragment, SamplingParams(**greedy))
+        run_to_completion(engine)
+    view = engine.get_session("s")
+    assert http_view["token_ids"] == list(view.token_ids) and http_view["text"] == view.text
+    # Each segment is the 5 tokens generated after its fragment, and nothing else.
+    tokens, start = list(view.token_ids), view.num_prompt_tokens
+    for segment, fragment in zip(http_segments, story, strict=True):
+        assert segment["finish_reason"] == "length" and len(segment["token_ids"]) == 5
+        if fragment != story[0]:
+            start += len(engine.tokenizer.encode(fragment, add_special_tokens=False))
+        assert segment["token_ids"] == tokens[start : start + 5]
+        start += 5
+    assert fragment not in segment["text"]
+    assert http.delete(f"/v1/sessions/{sid}").json()["deleted"] is True
+    engine.close("s")
+    assert server.llm_engine.kv_pool_all_free and engine.kv_pool_all_free
+
+
+@pytest.mark.slow
+def test_gemma_completions_and_chat_over_http_equal_the_engine(gemma_engine):
+    """The real Gemma 3 270M behind the server: the openai client gets the engine's greedy
+    text for a completion and for a chat through the Gemma 3 turn template."""
+    template = ChatTemplate.from_model(gemma_engine.config.model_path,
+                                       gemma_engine.config.tokenizer_path, TEMPLATE)
+    chat_ids = template.render_ids(gemma_engine.tokenizer, MESSAGES)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    gemma_engine.add_request("plain", PROMPTS[1], greedy)
+    gemma_engine.add_request("chat", chat_ids, greedy)
+    expected = run_to_completion(gemma_engine)
+    with run_server(gemma_engine, served_model_name="gemma3-270m",
+                    chat_template=str(TEMPLATE)) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused",
+                               max_retries=0, timeout=120)
+        text = client.completions.create(model="gemma3-270m", prompt=PROMPTS[1],
+                                         max_tokens=12, temperature=0.0).choices[0].text
+        chat = client.chat.completions.create(model="gemma3-270m", messages=MESSAGES,
+                                              max_tokens=12, temperature=0.0)
+    assert text == expected["plain"].outputs[0].text
+    assert chat.choices[0].message.content == expected["chat"].outputs[0].text
+    assert chat.usage.prompt_tokens == len(chat_ids)
+    assert gemma_engine.kv_pool_all_free
