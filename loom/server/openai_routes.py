@@ -23,6 +23,7 @@ from loom.server.responses import (
     chat_logprobs,
     completion_logprobs,
     now,
+    request_tree,
     sse,
     usage,
 )
@@ -191,9 +192,13 @@ async def create_completion(body: CompletionRequest, request: Request,
                     "stop_reason": comp.stop_reason,
                 })
         total = [usage(o) for o in outs]
-        return {"id": cid, "object": "text_completion", "created": now(), "model": body.model,
-                "choices": choices,
-                "usage": {k: sum(u[k] for u in total) for k in total[0]}}
+        response = {"id": cid, "object": "text_completion", "created": now(),
+                    "model": body.model, "choices": choices,
+                    "usage": {k: sum(u[k] for u in total) for k in total[0]}}
+        trees = [request_tree(o) for o in outs]
+        if any(trees):  # `<promise>` children (Loom's extension), per prompt
+            response["children"] = trees
+        return response
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -255,7 +260,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                     "finish_reason": comp.finish_reason,
                     "stop_reason": comp.stop_reason,
                 } for comp in out.outputs],
-                "usage": usage(out)}
+                "usage": usage(out),
+                **({"children": request_tree(out)} if out.children else {})}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 

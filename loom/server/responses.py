@@ -110,3 +110,12 @@ def sse(data: dict[str, Any] | str) -> str:
 def now() -> int:
     """Seconds since the epoch, as OpenAI's `created`."""
     return int(time.time())
+
+
+def request_tree(out: RequestOutput) -> list[dict[str, Any]]:
+    """The `<promise>` children of an output, recursively (empty without the hook)."""
+    return [{"id": child.request_id,
+             "text": child.outputs[0].text if child.outputs else "",
+             "token_ids": child.outputs[0].token_ids if child.outputs else [],
+             "finish_reason": child.outputs[0].finish_reason if child.outputs else None,
+             "children": request_tree(child)} for child in out.children]

@@ -21,7 +21,7 @@ from loom.server.protocol import (
     SessionResampleRequest,
     SessionRewindRequest,
 )
-from loom.server.responses import StreamState, completion_logprobs, sse
+from loom.server.responses import StreamState, completion_logprobs, request_tree, sse
 from loom.server.state import ServerState
 
 router = APIRouter(prefix="/v1/sessions")
@@ -44,15 +44,6 @@ def _view(view: SessionView) -> dict[str, Any]:
             "num_tokens": len(view.token_ids), "num_prompt_tokens": view.num_prompt_tokens,
             "num_computed_tokens": view.num_computed_tokens, "token_ids": list(view.token_ids),
             "text": view.text, "generating": view.generating, "pinned": view.pinned}
-
-
-def _tree(out: RequestOutput) -> list[dict[str, Any]]:
-    """The `<promise>` children of an output, recursively."""
-    return [{"id": child.request_id,
-             "text": child.outputs[0].text if child.outputs else "",
-             "token_ids": child.outputs[0].token_ids if child.outputs else [],
-             "finish_reason": child.outputs[0].finish_reason if child.outputs else None,
-             "children": _tree(child)} for child in out.children]
 
 
 @router.post("")
@@ -121,7 +112,7 @@ async def _segment(state: ServerState, session_id: str, body: SessionGenerateReq
                 if body.logprobs is not None else None,
                 "usage": {"prompt_tokens": len(before.token_ids),
                           "completion_tokens": len(comp.token_ids) - num_before},
-                "children": _tree(out)}
+                "children": request_tree(out)}
 
     if not body.stream:
         async def collect() -> dict[str, Any]:

@@ -207,3 +207,39 @@ def test_gemma_completions_and_chat_over_http_equal_the_engine(gemma_engine):
     assert chat.choices[0].message.content == expected["chat"].outputs[0].text
     assert chat.usage.prompt_tokens == len(chat_ids)
     assert gemma_engine.kv_pool_all_free
+
+
+def _tree_of(out) -> list:
+    return [(c.outputs[0].token_ids, _tree_of(c)) for c in out.children]
+
+
+def _http_tree(children) -> list:
+    return [(c["token_ids"], _http_tree(c["children"])) for c in children]
+
+
+def test_promise_children_come_back_in_the_response(tiny_models):
+    """With promise/sync tokens configured, a completion's response carries the tree of
+    children, equal to the engine's own tree. The tokens are ones the tiny model samples
+    greedily, so the hook fires without a script."""
+    from loom.engine.promise_sync import SpecialKwargs
+
+    folder, _ = tiny_models["gemma3"]
+    probe = LLM(**vars(tiny_args(folder)))
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    sampled = probe.generate([PROMPTS[0]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    promise = sampled[1]
+    sync = next((t for t in sampled[2:] if t != promise), None)
+    if sync is None:
+        pytest.skip("the tiny model repeats one token: no distinct sync token")
+    special = SpecialKwargs(promise_token_id=promise, sync_token_id=sync, child_max_tokens=3)
+    args = EngineArgs(**{**vars(tiny_args(folder)), "special_kwargs": special})
+    engine = LLM(**vars(args)).engine
+    engine.add_request("r", PROMPTS[0], greedy)
+    expected = run_to_completion(engine)["r"]
+    assert expected.children, "the hook did not fire"
+    with run_server(args, served_model_name=MODEL) as server:
+        body = httpx.post(f"{server.base_url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0.0}).json()
+        assert body["choices"][0]["text"] == expected.outputs[0].text
+        assert _http_tree(body["children"][0]) == _tree_of(expected)
+        assert server.llm_engine.kv_pool_all_free
