@@ -12,7 +12,7 @@ import loom
 from loom.engine.async_engine import AsyncLLMEngine
 from loom.server import openai_routes, session_routes
 from loom.server.errors import install_error_handlers
-from loom.server.limits import BodySizeLimit
+from loom.server.limits import BodySizeLimit, JSONBodies
 from loom.server.state import ServerConfig, ServerState
 
 
@@ -58,5 +58,6 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(JSONBodies)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
     return app

@@ -1,4 +1,5 @@
-"""Request-size and access limits: the body cap (413) and API keys (401)."""
+"""Request handling before the routes: the body cap (413), API keys (401), and JSON bodies
+sent without a JSON content type (curl's `-d`)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,25 @@ def check_api_key(authorization: str | None, api_keys: tuple[str, ...]) -> str |
         if hmac.compare_digest(given.encode(), key.encode()):
             return key
     return None
+
+
+class JSONBodies:
+    """ASGI middleware: a body sent as `application/x-www-form-urlencoded` or without a
+    content type (what `curl -d` does) is read as JSON, as llama.cpp's server does; every
+    route here takes JSON."""
+
+    _FORM = b"application/x-www-form-urlencoded"
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        """Pass the request on with a JSON content type where it had a form one or none."""
+        if scope["type"] == "http" and scope.get("method") in ("POST", "PUT", "PATCH"):
+            headers = [(k, v) for k, v in scope.get("headers") or []]
+            kinds = [v for k, v in headers if k == b"content-type"]
+            if not kinds or kinds[0].split(b";")[0].strip() == self._FORM:
+                headers = [(k, v) for k, v in headers if k != b"content-type"]
+                headers.append((b"content-type", b"application/json"))
+                scope = {**scope, "headers": headers}
+        await self.app(scope, receive, send)
