@@ -142,6 +142,10 @@ def test_models_tokenize_and_errors_through_the_client(tiny):
     text = httpx.post(f"{server.base_url}/detokenize",
                       json={"tokens": tokens["tokens"][1:]}).json()["prompt"]
     assert text == PROMPTS[0]
+    # curl -d sends a form content type: the body is still read as JSON.
+    form = httpx.post(f"{server.base_url}/tokenize", content=b'{"prompt": "The quick"}',
+                      headers={"content-type": "application/x-www-form-urlencoded"})
+    assert form.status_code == 200 and form.json()["count"] > 0
 
 
 def test_a_madlibs_session_over_http_equals_the_engine(tiny, tiny_models):
