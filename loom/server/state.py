@@ -106,26 +106,18 @@ class ServerState:
     async def stream(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Run one request, yielding its output after each step; whatever ends the iteration
-        early (a client that went away, an error) aborts it and frees its KV."""
+        """Run one request, yielding its output after each step. Whatever ends the iteration
+        early (a client that went away, an error) aborts it, freeing its KV, and its output
+        queue is dropped either way (`AsyncLLMEngine.generate` does both)."""
         request_id = request_id or f"req-{uuid.uuid4().hex}"
-        engine = self.engine
-        await engine.add_request(request_id, prompt_ids, params)
-        finished = False
-        try:
-            async for out in engine.outputs(request_id):
+        outputs = self.engine.generate(prompt_ids, params, request_id)
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
                 if out.error is not None:
-                    finished = True
                     # The engine could not serve it (KV pool held by pinned sessions, a
                     # failed KV load under "fail"): nothing wrong with the request itself.
                     raise APIError(503, out.error, code="request_failed")
-                finished = out.finished
                 yield out
-                if finished:
-                    return
-        finally:
-            if not finished and request_id in engine.engine._groups:
-                await asyncio.shield(engine.abort(request_id))
 
     @staticmethod
     async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -39,6 +39,7 @@ def tiny(tiny_models):
         llm = LLM(**vars(tiny_args(folder)))
         yield server, client, llm
     assert server.llm_engine.kv_pool_all_free
+    assert not server.engine._queues  # every finished request's output queue was dropped
 
 
 def offline(llm, prompt, **params):
