@@ -56,8 +56,8 @@ class SamplingParams:
             raise bad("top_p", "must be in (0, 1]")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0 (1 disables it)")
+        if not 0.01 <= self.repetition_penalty <= 100:
+            raise bad("repetition_penalty", "must be in [0.01, 100] (1 disables it)")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
@@ -78,8 +78,10 @@ class SamplingParams:
             not isinstance(t, int) or t < 0 for t in self.stop_token_ids
         ):
             raise bad("stop_token_ids", "must be non-negative integers")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer or None")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63 - 1024
+        ):
+            raise bad("seed", "must be an integer in [-2**63, 2**63 - 1024) or None")
 
     @property
     def is_greedy(self) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ from loom.engine.hooks import PendingCall
 from loom.engine.llm_engine import LLMEngine
 from loom.engine.outputs import RequestOutput
 from loom.engine.session_ops import Sample, SessionView
-from loom.errors import LoomError
+from loom.errors import LoomError, SessionClosedError
 from loom.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -39,6 +39,10 @@ class AsyncLLMEngine:
         self._step_waiters: list[asyncio.Future[list[RequestOutput]]] = []
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
+        # Called with the id of every request the engine ended by itself (an expired session).
+        self.on_ended: list[Callable[[str], None]] = []
+        # Ids whose add_request waits for the lock: they have a queue but no group yet.
+        self._adding: set[str] = set()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
@@ -65,6 +69,7 @@ class AsyncLLMEngine:
                 self._fail_all(exc)
                 continue
             self._dispatch(outputs)
+            self._drop_ended_queues()
             for call in self.engine.take_pending_calls():
                 task = asyncio.get_running_loop().create_task(self._run_call(call))
                 self._calls.add(task)
@@ -95,6 +100,18 @@ class AsyncLLMEngine:
             if not fut.done():
                 fut.set_result(outputs)
 
+    def _drop_ended_queues(self) -> None:
+        """Forget the queues of requests the engine ended by itself (an expired session):
+        a caller still waiting on one gets the reason instead of waiting forever."""
+        groups, adding = self.engine._groups, self._adding
+        for request_id in [rid for rid in self._queues if rid not in groups and rid not in adding]:
+            queue = self._queues.pop(request_id)
+            reason = self.engine._ended.get(request_id)
+            if reason in ("expired", "closed"):
+                queue.put_nowait(SessionClosedError(f"session {request_id!r} is {reason}"))
+            for listener in self.on_ended:
+                listener(request_id)
+
     def _fail_all(self, exc: BaseException) -> None:
         for queue in self._queues.values():
             queue.put_nowait(exc)
@@ -122,12 +139,16 @@ class AsyncLLMEngine:
         created = request_id not in self._queues
         if created:
             self._queues[request_id] = asyncio.Queue()
+            self._adding.add(request_id)
         try:
             await self._call(self.engine.add_request, request_id, prompt, sampling_params, **kwargs)
         except LoomError:
             if created:  # a duplicate id must not take the live request's queue away
                 self._queues.pop(request_id, None)
             raise
+        finally:
+            if created:
+                self._adding.discard(request_id)
 
     async def step(self) -> list[RequestOutput]:
         """The outputs of the next engine step."""
@@ -232,9 +253,11 @@ class AsyncLLMEngine:
                 if out.finished:
                     return
         finally:
-            if request_id in self.engine._groups:
-                await self.abort(request_id)
             self._queues.pop(request_id, None)
+            if request_id in self.engine._groups:
+                # Shielded: a consumer cancelled twice (a server's disconnect handling) must
+                # not cancel the abort that frees the request's KV.
+                await asyncio.shield(self.abort(request_id))
 
     def session(self, prompt: str | Sequence[int], **kwargs: Any) -> Session:
         """`async with engine.session(prompt) as s:` opens a paused session, closes it at exit."""

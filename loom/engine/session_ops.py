@@ -101,6 +101,11 @@ class SessionOps:
             keep, new_ids = request.num_tokens, [int(t) for t in fragment]
         if not new_ids:
             raise InvalidRequestError(f"session {request_id!r}: the fragment has no tokens")
+        vocab = self.runner.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in new_ids):
+            raise InvalidRequestError(
+                f"session {request_id!r}: token ids must be in [0, {vocab})"
+            )
         self._check_length(request_id, keep + len(new_ids))
         if keep < request.num_tokens:
             self._require_paused(seq, "heal")

@@ -64,7 +64,8 @@ def _thresholds(values: Tensor, ks: Tensor, ps: Tensor | None, log_norm: Tensor 
         else:
             probs = (values - log_norm.unsqueeze(1)).exp()
         excl = F.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))
-        keep = torch.minimum((excl < ps.unsqueeze(1)).sum(dim=-1), ks)
+        # At least one token: a p so small that float32 rounds it to 0 keeps the top one.
+        keep = torch.minimum((excl < ps.unsqueeze(1)).sum(dim=-1), ks).clamp_(min=1)
     return values.gather(1, (keep - 1).unsqueeze(1)).squeeze(1)
 
 

@@ -35,6 +35,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         description="OpenAI-compatible API of the Loom inference engine, with live sessions.",
     )
     app.state.loom = state
+    engine.on_ended.append(lambda request_id: state.session_owners.pop(request_id, None))
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(session_routes.router)
@@ -55,9 +56,10 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
+    # The last added is the outermost: CORS headers reach every answer, a 413 included.
+    app.add_middleware(JSONBodies)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
     if config.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])
-    app.add_middleware(JSONBodies)
-    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
     return app

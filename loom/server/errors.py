@@ -76,7 +76,12 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     """One line per problem, each naming the field; the first field is `param`."""
     lines, param = [], None
     for item in error.errors():
-        loc = [str(part) for part in item.get("loc", ()) if part != "body"]
+        loc = []
+        for part in item.get("loc", ())[1:]:  # after "body"; stop at a union member's tag
+            if isinstance(part, int) or (isinstance(part, str) and part.isidentifier()):
+                loc.append(str(part))
+            else:
+                break
         field = ".".join(loc)
         kind = item.get("type", "")
         if kind == "json_invalid":

@@ -6,6 +6,8 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from loom.server.errors import error_body
 
 ASGIApp = Any
@@ -39,7 +41,7 @@ class BodySizeLimit:
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
                     too_large = True
-                    raise _BodyTooLarge
+                    raise _BodyTooLarge(self.max_bytes)
             return message
 
         try:
@@ -59,8 +61,12 @@ class BodySizeLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-class _BodyTooLarge(Exception):
-    pass
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised from `receive`: FastAPI re-raises HTTP exceptions from its body reader."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"request body larger than {max_bytes} bytes "
+                              "(--max-request-body-bytes)")
 
 
 def check_api_key(authorization: str | None, api_keys: tuple[str, ...]) -> str | None:

@@ -35,13 +35,13 @@ class SamplingFields(StrictModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63 - 1024)
     n: int = Field(default=1, ge=1, le=16)
     stop: str | list[str] | None = None
     stop_token_ids: list[NonNegInt] | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    repetition_penalty: float = Field(default=1.0, ge=0.01, le=100.0)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     skip_special_tokens: bool = True

@@ -134,6 +134,10 @@ class ServerState:
         watcher = asyncio.ensure_future(watch())
         try:
             return await task
+        except asyncio.CancelledError:
+            if watcher.done() and task.cancelled():  # we cancelled it: the client is gone
+                raise APIError(499, "the client closed the request") from None
+            raise
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):

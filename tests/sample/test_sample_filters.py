@@ -78,6 +78,14 @@ def test_top_p_keeps_smallest_prefix_reaching_p() -> None:
     assert kept(0.99) == 4
 
 
+def test_a_top_p_that_float32_rounds_to_zero_keeps_the_top_token() -> None:
+    # Found by the server's schemathesis run: top_p=3.7e-197 is 0 in float32.
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    for top_k in (-1, 2):
+        got = filtered_probs(logits, SamplingParams(top_p=3.7e-197, top_k=top_k))
+        torch.testing.assert_close(got, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+
+
 def test_top_p_applies_to_renormalised_top_k() -> None:
     # After top_k=2 the mass is [0.625, 0.375]; top_p=0.6 then keeps only the first.
     logits = torch.tensor([0.5, 0.3, 0.2]).log()
