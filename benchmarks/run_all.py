@@ -17,7 +17,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ["latency", "throughput", "sessions", "hooks", "quality", "speculative", "prefix",
-              "kv_connector"]
+              "kv_connector", "serving"]
 
 
 def main() -> int:
