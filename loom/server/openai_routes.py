@@ -169,8 +169,7 @@ async def create_completion(body: CompletionRequest, request: Request,
               for _, ids in prompts]
     streams = [_timed_stream(state, ids, p, f"{cid}-{i}")
                for i, ((_, ids), p) in enumerate(zip(prompts, params, strict=True))]
-    decode = state.tokenizer.decode_token if hasattr(state.tokenizer, "decode_token") \
-        else (lambda t: state.tokenizer.decode([t]))
+    decode = state.decode_token
     top_n = body.logprobs or 0
 
     def echo_text(i: int) -> str:
@@ -248,7 +247,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                   top_n if body.logprobs else None)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     stream = _timed_stream(state, ids, params, cid)
-    decode = lambda t: state.tokenizer.decode([t])  # noqa: E731
+    decode = state.decode_token
 
     if not body.stream:
         out = await state.unless_disconnected(request, _last(stream))

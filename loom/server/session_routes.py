@@ -87,7 +87,7 @@ async def _segment(state: ServerState, session_id: str, body: SessionGenerateReq
     await start(params)
     num_before = len(before.token_ids) - before.num_prompt_tokens
     base = len(state.tokenizer.decode(list(before.token_ids[before.num_prompt_tokens:])))
-    decode = lambda t: state.tokenizer.decode([t])  # noqa: E731
+    decode = state.decode_token
     top_n = body.logprobs or 0
 
     async def outputs() -> AsyncIterator[RequestOutput]:

@@ -53,6 +53,10 @@ class ServerState:
         """The context limit in tokens."""
         return self.engine.engine.config.max_model_len
 
+    def decode_token(self, token_id: int) -> str:
+        """The text of one token (logprobs entries name tokens by it)."""
+        return self.tokenizer.decode([token_id])
+
     def authenticate(self, request: Request) -> str:
         """The caller's API key ("" without keys); 401 when it is missing or wrong."""
         key = check_api_key(request.headers.get("authorization"), self.config.api_keys)
