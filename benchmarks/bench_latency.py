@@ -130,9 +130,10 @@ def main() -> None:
 
     engine = c.make_engine(args)
     dtype = engine.config.dtype
+    label = c.engine_label(engine.config)
     prompts = {n: c.prompt_token_ids(engine.tokenizer, n, seed=n) for n in prompt_lens}
     runners: list[tuple[str, Callable[[], Runner | None]]] = [
-        (f"loom {dtype}", lambda: loom_runner(engine)),
+        (f"loom {label}", lambda: loom_runner(engine)),
     ]
     for mode in args.loom_modes:
         runners.append((f"loom {mode}", lambda m=mode: _variant(args, m)))

@@ -64,7 +64,7 @@ def run_modes(args: Any, shared: list[list[int]], distinct: list[list[int]],
     """Every measurement with the prefix cache on and off: two engines, measured in turns
     (on, off, on, off, ...) so that a slower stretch of a shared machine hits both."""
     engines = {cache: c.make_engine(args, num_kv_blocks=num_blocks, enable_prefix_caching=cache,
-                                    quantization=args.quantization, max_num_batched_tokens=512)
+                                    max_num_batched_tokens=512)
                for cache in (True, False)}
     rows: dict[bool, dict[str, Any]] = {True: {}, False: {}}
     ttfts: dict[bool, list[float]] = {True: [], False: []}
@@ -104,7 +104,6 @@ def main() -> None:
     parser.add_argument("--distinct-prompts", type=int, default=None,
                         help="prompts of the no-sharing workload (default 8, quick 4)")
     parser.add_argument("--distinct-output-tokens", type=int, default=16)
-    parser.add_argument("--quantization", default=None, help="Loom quantization (e.g. w8a8)")
     args = parser.parse_args()
     if args.doc_only:
         return c.rerender(NAME, TITLE, render)

@@ -110,7 +110,7 @@ def main() -> None:
     for mode in ["float32", *args.modes]:
         c.log(f"loom {mode}")
         if mode == "float32":
-            engine = c.make_engine(args)
+            engine = c.make_engine(args, dtype="float32", quantization=None)
         else:
             engine = c.try_variant_engine(args, mode)
             if engine is None:

@@ -168,8 +168,7 @@ def loom_server(args: Any) -> Server:
            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
            "--max-sessions-per-key", str(max(64, args.agents * 2)),
            "--log-level", "warning"]
-    if args.quantization:
-        cmd += ["--quantization", args.quantization]
+    cmd += ["--quantization", args.quantization]
     return Server("loom", cmd, port, "/health", settings)
 
 
@@ -634,7 +633,6 @@ def main() -> None:
                         help="tokens generated per turn (default 32, quick 16)")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="loom serve")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="loom serve")
-    parser.add_argument("--quantization", default=None, help="loom serve (e.g. w8a8)")
     parser.add_argument("--llama-cpp-cache", action=argparse.BooleanOptionalAction,
                         default=None,
                         help="also run the agents on a llama.cpp server with its RAM prompt "

@@ -128,8 +128,9 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=None,
                         help="default 256 512 1024 2048 4096 (quick: up to 1024)")
     parser.add_argument("--append-tokens", type=int, default=16)
-    parser.add_argument("--loom-quantization", nargs="*", default=["w8a8"],
-                        help="also run Loom quantised this way (default: w8a8)")
+    parser.add_argument("--loom-quantization", nargs="*", default=["float"],
+                        help="also run these Loom variants (default: float, exact float "
+                             "weights; see common.loom_mode_kwargs)")
     parser.add_argument("--resubmit-max", type=int, default=None,
                         help="re-submit only up to this context (default: all)")
     args = parser.parse_args()
@@ -145,12 +146,11 @@ def main() -> None:
     results: dict[str, Any] = {}
     skipped: list[str] = []
     for mode in ["default", *args.loom_quantization]:
-        quantization = None if mode == "default" else mode
-        engine = c.make_engine(args, num_kv_blocks=blocks, max_model_len=max_len + 64,
-                               quantization=quantization)
+        variant = {} if mode == "default" else c.loom_mode_kwargs(mode)
+        engine = c.make_engine(args, num_kv_blocks=blocks, max_model_len=max_len + 64, **variant)
         uncached = c.make_engine(args, num_kv_blocks=max_len // 16 + 16,
-                                 max_model_len=max_len + 64, quantization=quantization,
-                                 enable_prefix_caching=False)
+                                 max_model_len=max_len + 64, enable_prefix_caching=False,
+                                 **variant)
         if mode == "default":
             dtype = engine.config.dtype
             tok = engine.tokenizer
@@ -159,7 +159,7 @@ def main() -> None:
                        for i in range(args.num_sessions)]
             append = c.prompt_token_ids(tok, args.append_tokens + 1, seed=7)[1:]
         c.log(f"loom {mode}")
-        results["loom" if quantization is None else f"loom {mode}"] = run_loom(
+        results["loom" if mode == "default" else f"loom {mode}"] = run_loom(
             engine, uncached, args, streams, append
         )
         assert engine.kv_pool_all_free, "sessions leaked KV blocks"

@@ -116,9 +116,10 @@ def main() -> None:
     parser.add_argument("--hf-dtypes", nargs="+", default=["same"],
                         help="HF dtypes to run ('same' = Loom's dtype), e.g. same bfloat16")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--loom-modes", nargs="+", default=["default", "w8a8", "w8a8+kv16"],
-                        help="Loom variants: 'default' (its dtype), quantization modes, "
-                             "'+kv16' for a float16 KV cache")
+    parser.add_argument("--loom-modes", nargs="+", default=["default", "float"],
+                        help="Loom variants: 'default' (the engine's defaults), 'float' (exact "
+                             "float weights), quantization modes (int8, w8a8), '+kv16' for a "
+                             "float16 KV cache; the first is the ratios' base")
     args = parser.parse_args()
     if args.doc_only:
         return c.rerender(NAME, TITLE, render)
@@ -134,14 +135,17 @@ def main() -> None:
 
     results: dict[str, Any] = {}
     skipped: list[str] = []
-    dtype, work = None, []
+    dtype, work, base = None, [], None
     for mode in args.loom_modes:
         llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
                   kv_cache_memory_gb=2.0, **c.loom_mode_kwargs(mode))
         if dtype is None:
             dtype = llm.engine.config.dtype
             work = make_workload(llm.tokenizer, args)
-        label = f"loom {dtype}" if mode == "default" else f"loom {mode}"
+        label = f"loom {c.engine_label(llm.engine.config)}"
+        if mode == "default":
+            label += " (default)"
+        base = base or label
         c.log(f"{label}: {len(work)} prompts")
         results[label] = run_loom(llm, work)
         del llm
@@ -164,7 +168,6 @@ def main() -> None:
         c.log(f"{label}: {len(work)} prompts")
         results[label] = run_llama_cpp(llm_cpp, work)
 
-    base = f"loom {dtype}"
     ratios = {k: {"output_loom_over_peer": c.ratio(results[base]["output_tok_s"],
                                                    v["output_tok_s"])}
               for k, v in results.items() if k != base}
@@ -173,14 +176,14 @@ def main() -> None:
     result = c.header(NAME, args, dtype=dtype, sizes_note=sizes,
                       workload={k: getattr(args, k) for k in full} | {"seed": args.seed},
                       prompt_tokens=sum(len(p) for p, _ in work),
-                      output_tokens=sum(n for _, n in work),
+                      output_tokens=sum(n for _, n in work), base=base,
                       results=results, ratios=ratios, skipped=skipped)
     c.finish(NAME, TITLE, result, render, args.no_doc)
 
 
 def render(result: dict[str, Any]) -> str:
     """The doc section's body: one row per engine."""
-    base = f"loom {result['dtype']}"
+    base = result.get("base") or f"loom {result['dtype']}"
     ratios = result["ratios"]
     rows = [[k, v["elapsed_s"], v["output_tok_s"], v["total_tok_s"],
              ratios.get(k, {}).get("output_loom_over_peer")]

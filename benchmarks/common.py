@@ -148,6 +148,10 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="Loom model name or path")
     parser.add_argument("--dtype", default="auto", help="Loom dtype (auto/float32/bfloat16)")
     parser.add_argument("--device", default="auto", help="Loom device (auto/cpu/cuda)")
+    parser.add_argument("--quantization", default="auto",
+                        help="Loom quantization: auto (the engine's default: w8a8 + float16 KV "
+                             "for a quantized GGUF on the CPU kernels), none (exact float), "
+                             "int8, w8a8")
     parser.add_argument("--quick", action="store_true", help="small sizes (a few minutes)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (median)")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads")
@@ -413,23 +417,38 @@ def make_engine(args: argparse.Namespace, **kwargs: Any) -> Any:
     """An `LLMEngine` for the benchmark's model, dtype and device."""
     from loom import EngineArgs, LLMEngine
 
-    engine_args = EngineArgs(model=args.model, dtype=args.dtype, device=args.device, **kwargs)
-    return LLMEngine.from_engine_args(engine_args)
+    base = {"model": args.model, "dtype": args.dtype, "device": args.device,
+            "quantization": getattr(args, "quantization", "auto")}
+    return LLMEngine.from_engine_args(EngineArgs(**{**base, **kwargs}))
 
 
 def loom_mode_kwargs(mode: str) -> dict[str, Any]:
-    """Engine arguments of a Loom variant name: "default", a quantization ("int8", "w8a8"),
-    optionally "+kv16" for a float16 KV cache and "+ngram" for speculative decoding with
-    n-gram drafts (e.g. "w8a8+kv16+ngram")."""
+    """Engine arguments of a Loom variant name: "default" (the engine's defaults), "float"
+    (exact float weights: quantization None) or a quantization ("int8", "w8a8"), optionally
+    "+kv16" for a float16 KV cache and "+ngram" for speculative decoding with n-gram drafts
+    (e.g. "w8a8+kv16+ngram")."""
     kwargs: dict[str, Any] = {}
     for part in mode.split("+"):
         if part == "kv16":
             kwargs["kv_cache_dtype"] = "float16"
         elif part == "ngram":
             kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 4}
-        elif part != "default":
+        elif part == "float":
+            kwargs["quantization"] = None
+        elif part == "default":
+            kwargs["quantization"] = "auto"
+        else:
             kwargs["quantization"] = part
     return kwargs
+
+
+def engine_label(config: Any) -> str:
+    """A resolved engine mode as a benchmark label: "float32", "w8a8+kv16", "int8", ..."""
+    label = config.quantization or config.dtype
+    if config.kv_cache_dtype != config.dtype:
+        label += {"float16": "+kv16", "bfloat16": "+kvbf16"}.get(
+            config.kv_cache_dtype, f"+kv {config.kv_cache_dtype}")
+    return label
 
 
 def try_variant_engine(

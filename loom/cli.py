@@ -23,9 +23,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--device", default="auto")
-    gen.add_argument("--quantization", default=None, choices=[None, "int8", "w8a8"])
+    gen.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "w8a8"],
+                     help="auto: w8a8 for a quantized GGUF on the CPU kernels, else none "
+                          "(exact dequantised float weights)")
     gen.add_argument("--kv-cache-dtype", default="auto",
-                     help="auto (the model dtype), float16, bfloat16 or float32")
+                     help="auto (float16 with auto-chosen w8a8, else the model dtype), "
+                          "float16, bfloat16 or float32")
     gen.add_argument("--num-speculative-tokens", type=int, default=0,
                      help="draft this many tokens per step by n-gram prompt lookup (0: off)")
     sub.add_parser("demo", help="run the live-session demo (madlibs)")
@@ -65,6 +68,7 @@ def _generate(args: argparse.Namespace) -> int:
             if args.num_speculative_tokens > 0 else None
         ),
     )
+    print(f"loaded {args.model} ({llm.engine.config.mode_summary})", file=sys.stderr)
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,

@@ -117,7 +117,7 @@ def main() -> None:
     engine = LLMEngine.from_engine_args(
         EngineArgs(model="gemma3-270m", special_kwargs=fork_join_kwargs())
     )
-    print(f"loaded gemma3-270m ({engine.config.dtype}, {engine.config.device}) "
+    print(f"loaded gemma3-270m ({engine.config.mode_summary}) "
           f"in {time.perf_counter() - start:.1f} s\n")
     print(_paint("madlibs: cyan = appended fragments, green [..] = the model's fills\n", "2"))
     timings = run_madlibs(engine)

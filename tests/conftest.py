@@ -36,6 +36,7 @@ def gemma_engine(gemma_path):
         EngineArgs(
             model=str(gemma_path),
             dtype="float32",
+            quantization=None,  # exact dequantised weights: compared with transformers
             num_kv_blocks=512,
             max_num_batched_tokens=256,
             special_kwargs=fork_join_kwargs(),

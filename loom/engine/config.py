@@ -29,9 +29,13 @@ class EngineArgs:
     max_model_len: int | None = None
     seed: int = 0
     session_ttl_s: float | None = 3600.0
-    quantization: str | None = None
-    # "auto": the model dtype; "float16" / "bfloat16" halve a float32 model's KV memory and
-    # the bytes decode attention reads (CPU kernels read float16 natively).
+    # "auto": the fastest mode that keeps quality here (a quantized GGUF runs "w8a8" with a
+    # float16 KV cache on the CPU kernels; float checkpoints their dtype); None / "none":
+    # exact dequantised float weights; "int8" / "w8a8" force a mode (loom.engine.mode).
+    quantization: str | None = "auto"
+    # "auto": float16 when quantization "auto" chose w8a8, else the model dtype; "float16" /
+    # "bfloat16" halve a float32 model's KV memory and the bytes decode attention reads (CPU
+    # kernels read float16 natively).
     kv_cache_dtype: str = "auto"
     # Speculative decoding, vLLM's form: {"method": "ngram", "num_speculative_tokens": 4,
     # "prompt_lookup_min": 2, "prompt_lookup_max": 4} (see loom.spec_decode.SpeculativeConfig).
@@ -65,13 +69,14 @@ class EngineConfig:
     max_model_len: int
     seed: int
     session_ttl_s: float | None
-    quantization: str | None
+    quantization: str | None  # resolved: None, "int8" or "w8a8"
     kv_cache_dtype: str  # resolved: the dtype name the KV pool is stored in
     speculative: SpeculativeConfig | None  # None: no speculative decoding
     kv_transfer: Any = None  # loom.kv_connector.KVTransferConfig, or None
     kv_cache_spec: Any = None  # loom.kv_connector.KVCacheSpec when kv_transfer is set
     special_kwargs: Any = None
     hooks: tuple[Any, ...] = ()
+    mode_summary: str = ""  # e.g. "w8a8, kv float16, cpu avx2" (the start-up line)
 
     @property
     def block_size(self) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import functools
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +11,13 @@ import torch
 from loom.core.kv_cache_manager import cdiv
 from loom.core.scheduler import SchedulerConfig
 from loom.engine.config import EngineArgs, EngineConfig
+from loom.engine.mode import (
+    ExecutionMode,
+    HostInfo,
+    choose_mode,
+    normalize_dtype,
+    normalize_quantization,
+)
 from loom.errors import InvalidRequestError
 from loom.kv_connector import (
     KVCacheSpec,
@@ -20,22 +27,17 @@ from loom.kv_connector import (
     model_identity,
 )
 from loom.kv_connector.factory import connector_class
+from loom.loader import weights_are_quantized
 from loom.loader.resolve import resolve_model_path
-from loom.runner.loading import QUANTIZATIONS, build_model
+from loom.runner.loading import build_model
 from loom.runner.model_runner import ModelRunner, kv_cache_bytes_per_block
 from loom.spec_decode import SpeculativeConfig
 from loom.tokenizer import Tokenizer, load_tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_DTYPE_ALIASES = {
-    "fp32": "float32",
-    "float": "float32",
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "half": "float16",
-}
 # Upper bound on pool size chosen from a memory budget (a tiny model would get millions).
 _MAX_AUTO_BLOCKS = 16_384
+logger = logging.getLogger("loom")
 
 
 def resolve_device(device: str) -> str:
@@ -45,41 +47,22 @@ def resolve_device(device: str) -> str:
     return device
 
 
-@functools.cache
-def cpu_has_bf16() -> bool:
-    """True when the CPU computes bf16 natively (AVX-512 BF16 or AMX)."""
+def resolve_mode(args: EngineArgs, model_path: Path, device: str) -> tuple[ExecutionMode, str]:
+    """dtype, quantization and KV dtype for this model on this host (see `loom.engine.mode`),
+    validated, and the start-up line's description of them."""
     try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(dtype: str, device: str) -> str:
-    """ "auto" is bfloat16 where the device supports it natively, else float32."""
-    if isinstance(dtype, torch.dtype):
-        dtype = str(dtype).removeprefix("torch.")
-    dtype = _DTYPE_ALIASES.get(dtype, dtype)
-    if dtype == "auto":
-        if device.startswith("cuda"):
-            return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-        return "bfloat16" if cpu_has_bf16() else "float32"
-    if dtype not in _DTYPES:
-        raise InvalidRequestError(f"unsupported dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
-    return dtype
-
-
-def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str) -> str:
-    """"auto" is the model dtype; otherwise one of the dtype names (aliases accepted)."""
-    name = _DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
-    if name == "auto":
-        return model_dtype
-    if name not in _DTYPES:
-        raise InvalidRequestError(
-            f"unsupported kv_cache_dtype {kv_cache_dtype!r}; choose 'auto' or one of "
-            f"{sorted(_DTYPES)}"
-        )
-    return name
+        quantization = normalize_quantization(args.quantization)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from None
+    for name, value in (("dtype", args.dtype), ("kv_cache_dtype", args.kv_cache_dtype)):
+        if normalize_dtype(value) not in (*_DTYPES, "auto"):
+            raise InvalidRequestError(
+                f"unsupported {name} {value!r}; choose 'auto' or one of {sorted(_DTYPES)}"
+            )
+    host = HostInfo.detect(device)
+    quantized = quantization == "auto" and weights_are_quantized(model_path)
+    mode = choose_mode(args.dtype, quantization, args.kv_cache_dtype, quantized, host)
+    return mode, mode.describe(host)
 
 
 def resolve_speculative_config(
@@ -110,19 +93,15 @@ def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tok
     model_path = resolve_model_path(args.model)
     tokenizer_path = resolve_model_path(args.tokenizer) if args.tokenizer else model_path
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    mode, mode_summary = resolve_mode(args, model_path, device)
+    dtype, kv_dtype = mode.dtype, mode.kv_cache_dtype
     speculative = resolve_speculative_config(args.speculative_config)
     kv_transfer = None
     if args.kv_transfer_config is not None:
         kv_transfer = KVTransferConfig.coerce(args.kv_transfer_config)
         connector_class(kv_transfer)  # an unknown name or module fails before the model loads
-    if args.quantization not in (None, *QUANTIZATIONS):
-        raise InvalidRequestError(
-            f"unsupported quantization {args.quantization!r}; choose one of {QUANTIZATIONS}"
-        )
     model_config, model = build_model(
-        model_path, torch_dtype(dtype), torch.device(device), args.quantization
+        model_path, torch_dtype(dtype), torch.device(device), mode.quantization
     )
     if args.num_kv_blocks is not None:
         num_blocks = args.num_kv_blocks
@@ -152,7 +131,8 @@ def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tok
         max_model_len=max_model_len,
         seed=args.seed,
         session_ttl_s=args.session_ttl_s,
-        quantization=args.quantization,
+        quantization=mode.quantization,
+        mode_summary=mode_summary,
         special_kwargs=args.special_kwargs,
         hooks=tuple(args.hooks),
         kv_cache_dtype=kv_dtype,
@@ -162,6 +142,7 @@ def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tok
             model_id=model_identity(model_path), dtype=dtype, kv_cache_dtype=kv_dtype,
             block_size=args.block_size, num_layers=model_config.num_layers,
             num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
+            quantization=mode.quantization,
         ),
     )
     assert cdiv(max_model_len, args.block_size) <= num_blocks
@@ -173,4 +154,5 @@ def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tok
         worker = create_connector(kv_transfer, config.kv_cache_spec, KVConnectorRole.WORKER)
         runner.attach_kv_connector(worker)
     tokenizer = load_tokenizer(tokenizer_path)
+    logger.info("loaded %s (%s)", args.model, mode_summary)
     return config, runner, tokenizer

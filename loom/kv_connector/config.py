@@ -92,6 +92,9 @@ class KVCacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    # The weights' mode (None, "int8", "w8a8"): K/V computed from int8 weights differ from
+    # the float ones, so a store never mixes them.
+    quantization: str | None = None
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:

@@ -131,6 +131,18 @@ def iter_gguf_weights(
         yield hf_name, w if dtype is None else w.to(dtype)
 
 
+# Tensor types that hold plain floats (a GGUF made only of these is a float checkpoint).
+_FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
+
+
+def gguf_is_quantized(path: Path) -> bool:
+    """Whether any 2-D weight of the file is stored in a quantized block type."""
+    reader = GGUFFile(path)
+    return any(
+        t.qtype.name not in _FLOAT_TYPES for t in reader.tensors if len(t.shape) >= 2
+    )
+
+
 def load_gguf(
     path: Path, dtype: torch.dtype | None = None
 ) -> tuple[dict[str, Any], WeightIterator]:

@@ -5,7 +5,8 @@ activations on a CPU with Loom's compiled kernels (`loom.kernels`) run through a
 kernel that reads the int8 weights once per step: "int8" keeps the activations in float32,
 "w8a8" rounds them to int8 per block of 32 and multiplies in integers (weights stored in the
 streaming "quad" layout). Elsewhere small batches use `aten._weight_int8pack_mm` on bfloat16
-activations. Large batches (prefill) dequantise and use the float matmul. The embedding
+activations. Large batches (prefill) dequantise and use the float matmul, "w8a8" after
+rounding the activations as the kernel does (the paths agree to float rounding). The embedding
 lookup stays exact: a tied output projection gets its own int8 copy while the embedding table
 keeps the model dtype.
 
@@ -36,6 +37,17 @@ DEQUANTIZE_MIN_ROWS = 32
 # ... except that calls with fewer rows than this use loom.kernels when they can: measured on
 # a 2-core AVX2 CPU, the kernel beats dequantise-and-matmul up to about 128-256 rows.
 KERNEL_MAX_ROWS = 128
+
+
+def round_activations_q8(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 (K % 32 == 0) with each block of 32 rounded to int8 on its own scale,
+    as the w8a8 kernel rounds it (scale = max|x| / 127, q = round-half-even(x / scale)),
+    returned dequantised (q * scale) in float32."""
+    rows, k = x.shape
+    blocks = x.view(rows, k // 32, 32)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    return (torch.round(blocks * inverse) * scale).view(rows, k)
 
 
 def to_quad_layout(w_int8: torch.Tensor) -> torch.Tensor:
@@ -93,16 +105,21 @@ class Int8Linear(nn.Module):
                 self.layout,
             )
             return y.view(*lead, self.out_features)
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if x2.shape[0] >= DEQUANTIZE_MIN_ROWS:
+        if rows >= DEQUANTIZE_MIN_ROWS:
             # Prefill-sized calls are compute-bound, where the int8 kernel is slow: dequantise
-            # once (N*K work, small next to M*N*K) and use the float matmul. Same inputs (bf16
-            # activations, int8 weights); the sums agree to float rounding, not bit for bit.
+            # once (N*K work, small next to M*N*K) and use the float matmul. In w8a8 mode the
+            # activations are rounded to int8 exactly as the kernel rounds them, so a token's
+            # logits agree across the two paths to float rounding (a session's small appends
+            # and a fresh prefill of the same tokens see the same model).
+            xf = x.reshape(rows, self.in_features)
+            if self.quantize_activations:
+                xf = round_activations_q8(xf.float())
             weight = self.dequantized_weight().to(x.dtype)
-            y = torch.nn.functional.linear(x2.to(x.dtype), weight)
+            y = torch.nn.functional.linear(xf.to(x.dtype), weight)
         else:
             scales = self.scales.to(torch.bfloat16)  # no-op unless the module was cast
             w_int8 = self.row_major_int8()
+            x2 = x.reshape(rows, self.in_features).to(torch.bfloat16)
             y = torch.ops.aten._weight_int8pack_mm(x2, w_int8, scales).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
@@ -112,8 +129,9 @@ class Int8Linear(nn.Module):
 def quantize_model_int8(model: nn.Module, quantize_activations: bool = False) -> nn.Module:
     """Replace every nn.Linear of `model` (the output projection included) by Int8Linear.
 
-    `quantize_activations=True` is the "w8a8" mode: small batches on the CPU kernel also round
-    activations to int8 per block of 32.
+    `quantize_activations=True` is the "w8a8" mode: activations are rounded to int8 per block
+    of 32 (by the CPU kernel for small batches, in torch before the float matmul for large
+    ones).
     """
     targets = [
         (name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)

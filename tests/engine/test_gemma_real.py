@@ -158,7 +158,7 @@ def test_speculative_decoding_equals_transformers_and_fresh_forward(gemma_path, 
     from loom.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_engine_args(EngineArgs(
-        model=str(gemma_path), dtype="float32", num_kv_blocks=256,
+        model=str(gemma_path), dtype="float32", quantization=None, num_kv_blocks=256,
         speculative_config={"method": "ngram", "num_speculative_tokens": 4},
     ))
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)

@@ -1,0 +1,163 @@
+"""Which execution mode a model runs in: dtype, weight quantization and KV cache dtype.
+
+`choose_mode` is a pure function of what the user asked for, what the weights are and what
+the host can do (`HostInfo`), so its rules are tested on any machine. The rules:
+
+- `quantization="auto"` (the default): weights a GGUF file stores quantized (the default
+  model is Q4_K_M) run as "w8a8" with a float16 KV cache where Loom's CPU kernels run (their
+  fused decode reads int8 weights once per step: about 3x float32 decode); everywhere else,
+  and for float checkpoints, the weights' own dtype (no quantization). `None` (or "none")
+  always gives exact dequantised float weights.
+- `dtype="auto"`: with int8 weights on the CPU kernels, float32 (the kernels take float32
+  activations and their fused decode needs them); on CUDA bfloat16 (float16 without bf16);
+  on a CPU, bfloat16 only when a bf16 matmul measures faster than float32 here
+  (`measure_bf16_speedup`: native on AVX-512 BF16 / AMX hosts, emulated and several times
+  slower on AVX2 ones), else float32.
+- `kv_cache_dtype="auto"`: float16 when "auto" chose w8a8 (decode attention reads half the
+  bytes; quality measured in `bench_quality.py`), else the model dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loom.runner.loading import QUANTIZATIONS
+
+# A bf16 matmul must beat float32 by this factor before dtype="auto" picks bfloat16 on a CPU
+# (timings are noisy; a tie keeps the exact dtype and the fused float32 decode).
+BF16_MIN_SPEEDUP = 1.25
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16",
+                  "fp16": "float16", "half": "float16"}
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    """What the device can do, as far as the mode choice cares."""
+
+    device: str  # "cpu" or "cuda[:n]"
+    cpu_flags: frozenset[str] = frozenset()
+    cpu_kernels: bool = False  # Loom's compiled CPU kernels loaded
+    bf16_speedup: float = 0.0  # float32 matmul time / bf16 matmul time, measured on the CPU
+    cuda_bf16: bool = False
+
+    @property
+    def cpu_isa(self) -> str:
+        """The CPU's widest relevant instruction set: amx, avx512-bf16, avx512, avx2 or
+        baseline."""
+        if "amx_bf16" in self.cpu_flags:
+            return "amx"
+        if "avx512_bf16" in self.cpu_flags:
+            return "avx512-bf16"
+        if "avx512f" in self.cpu_flags:
+            return "avx512"
+        if "avx2" in self.cpu_flags:
+            return "avx2"
+        return "baseline"
+
+    @classmethod
+    def detect(cls, device: str) -> HostInfo:
+        """Probe this machine (the bf16 timing runs once per process, CPU only)."""
+        if device.startswith("cuda"):
+            return cls(device=device, cpu_flags=cpu_flags(),
+                       cuda_bf16=torch.cuda.is_bf16_supported())
+        from loom.kernels import cpu_kernels_available
+
+        return cls(device=device, cpu_flags=cpu_flags(), cpu_kernels=cpu_kernels_available(),
+                   bf16_speedup=measure_bf16_speedup())
+
+
+@dataclass(frozen=True)
+class ExecutionMode:
+    """The resolved choice; `describe` is the start-up line's parenthesis."""
+
+    dtype: str
+    quantization: str | None
+    kv_cache_dtype: str
+
+    def describe(self, host: HostInfo) -> str:
+        """e.g. 'w8a8, kv float16, cpu avx2' or 'bfloat16, cuda'."""
+        weights = self.quantization or self.dtype
+        where = f"cpu {host.cpu_isa}" if host.device == "cpu" else host.device
+        return f"{weights}, kv {self.kv_cache_dtype}, {where}"
+
+
+def normalize_dtype(name: str | torch.dtype) -> str:
+    """A dtype name with aliases resolved ('bf16' -> 'bfloat16'); torch dtypes accepted."""
+    if isinstance(name, torch.dtype):
+        name = str(name).removeprefix("torch.")
+    return _DTYPE_ALIASES.get(name, name)
+
+
+def normalize_quantization(value: str | None) -> str | None:
+    """None and 'none' mean no quantization; 'auto', 'int8' and 'w8a8' pass through."""
+    if value is None or value == "none":
+        return None
+    if value not in ("auto", *QUANTIZATIONS):
+        raise ValueError(
+            f"unsupported quantization {value!r}; choose 'auto', 'none' or one of {QUANTIZATIONS}"
+        )
+    return value
+
+
+def choose_mode(
+    dtype: str, quantization: str | None, kv_cache_dtype: str, weights_quantized: bool,
+    host: HostInfo,
+) -> ExecutionMode:
+    """Resolve the three "auto"s (see the module docstring). `dtype` and `kv_cache_dtype` are
+    returned as given when not "auto" (validation is the caller's)."""
+    quant = normalize_quantization(quantization)
+    on_cpu = host.device == "cpu"
+    auto_quant = quant == "auto"
+    if auto_quant:
+        quant = "w8a8" if weights_quantized and on_cpu and host.cpu_kernels else None
+    dtype = normalize_dtype(dtype)
+    if dtype == "auto":
+        if not on_cpu:
+            dtype = "bfloat16" if host.cuda_bf16 else "float16"
+        elif quant is not None and host.cpu_kernels:
+            dtype = "float32"
+        else:
+            dtype = "bfloat16" if host.bf16_speedup >= BF16_MIN_SPEEDUP else "float32"
+    kv = normalize_dtype(kv_cache_dtype)
+    if kv == "auto":
+        kv = "float16" if auto_quant and quant == "w8a8" else dtype
+    return ExecutionMode(dtype=dtype, quantization=quant, kv_cache_dtype=kv)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
+
+
+@functools.cache
+def measure_bf16_speedup(rows: int = 128, features: int = 640, out: int = 2048) -> float:
+    """float32 time / bfloat16 time of one prefill-shaped matmul on this CPU (best of 5 after
+    a warm-up; about 0.1 s where bf16 is emulated). Above 1: bf16 is faster here."""
+
+    def best(dt: torch.dtype) -> float:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(rows, features, generator=gen).to(dt)
+        w = torch.randn(out, features, generator=gen).to(dt)
+        torch.nn.functional.linear(x, w)
+        times = []
+        for _ in range(5):
+            start = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    with torch.inference_mode():
+        return best(torch.float32) / max(best(torch.bfloat16), 1e-9)

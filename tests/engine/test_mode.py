@@ -1,0 +1,87 @@
+"""Execution-mode choice (dtype, quantization, KV dtype) on described hosts, not this one."""
+
+from __future__ import annotations
+
+import pytest
+
+from loom.engine.mode import (
+    BF16_MIN_SPEEDUP,
+    ExecutionMode,
+    HostInfo,
+    choose_mode,
+    measure_bf16_speedup,
+)
+
+AVX2 = HostInfo("cpu", frozenset({"avx2", "fma"}), cpu_kernels=True, bf16_speedup=0.15)
+AVX512_BF16 = HostInfo("cpu", frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni"}),
+                       cpu_kernels=True, bf16_speedup=2.1)
+AMX = HostInfo("cpu", frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8"}),
+               cpu_kernels=True, bf16_speedup=3.0)
+NO_KERNELS = HostInfo("cpu", frozenset(), cpu_kernels=False, bf16_speedup=0.2)
+CUDA = HostInfo("cuda", frozenset({"avx2"}), cuda_bf16=True)
+OLD_CUDA = HostInfo("cuda", frozenset({"avx2"}), cuda_bf16=False)
+
+
+def auto(quantized: bool, host: HostInfo) -> ExecutionMode:
+    return choose_mode("auto", "auto", "auto", quantized, host)
+
+
+@pytest.mark.parametrize("host", [AVX2, AVX512_BF16, AMX])
+def test_a_quantized_gguf_runs_w8a8_with_a_float16_kv_cache_on_the_cpu_kernels(host) -> None:
+    assert auto(True, host) == ExecutionMode("float32", "w8a8", "float16")
+
+
+def test_float_checkpoints_keep_their_weights_and_pick_the_measured_faster_dtype() -> None:
+    assert auto(False, AVX2) == ExecutionMode("float32", None, "float32")
+    assert auto(False, AVX512_BF16) == ExecutionMode("bfloat16", None, "bfloat16")
+    assert auto(False, AMX) == ExecutionMode("bfloat16", None, "bfloat16")
+
+
+def test_bf16_flags_alone_do_not_pick_bf16_when_it_measured_slower() -> None:
+    slow = HostInfo("cpu", AVX512_BF16.cpu_flags, cpu_kernels=True,
+                    bf16_speedup=BF16_MIN_SPEEDUP - 0.01)
+    assert auto(False, slow).dtype == "float32"
+
+
+def test_without_the_cpu_kernels_quantized_weights_run_dequantised() -> None:
+    assert auto(True, NO_KERNELS) == ExecutionMode("float32", None, "float32")
+
+
+def test_cuda_runs_float_weights_in_bf16_or_fp16() -> None:
+    assert auto(True, CUDA) == ExecutionMode("bfloat16", None, "bfloat16")
+    assert auto(True, OLD_CUDA) == ExecutionMode("float16", None, "float16")
+
+
+@pytest.mark.parametrize("none", [None, "none"])
+def test_quantization_none_is_exact_float_everywhere(none) -> None:
+    assert choose_mode("auto", none, "auto", True, AVX2) == ExecutionMode(
+        "float32", None, "float32")
+    assert choose_mode("float32", none, "auto", True, AMX).quantization is None
+
+
+def test_explicit_choices_are_kept() -> None:
+    # An explicit w8a8 keeps the model-dtype KV cache (the "w8a8" benchmark mode) ...
+    assert choose_mode("auto", "w8a8", "auto", False, AVX2) == ExecutionMode(
+        "float32", "w8a8", "float32")
+    # ... and explicit dtypes win over the host's preference.
+    assert choose_mode("bfloat16", "auto", "float32", True, AVX2) == ExecutionMode(
+        "bfloat16", "w8a8", "float32")
+    assert choose_mode("fp32", None, "fp16", False, AMX) == ExecutionMode(
+        "float32", None, "float16")
+
+
+def test_unknown_quantization_is_named() -> None:
+    with pytest.raises(ValueError, match=r"'int4'.*auto"):
+        choose_mode("auto", "int4", "auto", True, AVX2)
+
+
+def test_the_startup_description_names_mode_kv_and_isa() -> None:
+    assert auto(True, AVX2).describe(AVX2) == "w8a8, kv float16, cpu avx2"
+    assert auto(True, AVX512_BF16).describe(AVX512_BF16) == "w8a8, kv float16, cpu avx512-bf16"
+    assert auto(False, AMX).describe(AMX) == "bfloat16, kv bfloat16, cpu amx"
+    assert auto(True, CUDA).describe(CUDA) == "bfloat16, kv bfloat16, cuda"
+    assert HostInfo("cpu").cpu_isa == "baseline"
+
+
+def test_the_bf16_probe_returns_a_positive_ratio() -> None:
+    assert measure_bf16_speedup(rows=8, features=32, out=16) > 0
