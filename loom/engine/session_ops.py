@@ -121,7 +121,8 @@ class SessionOps:
 
     def resume(self: LLMEngine, request_id: str, sampling_params: SamplingParams) -> None:
         """Start a generation segment on a paused session; its first token comes from the
-        stored logits without a model call."""
+        stored logits without a model call, or, while its last tokens are still uncomputed (a
+        fragment just appended), from the step that computes them."""
         seq = self._session(request_id)
         self._require_paused(seq, "resume")
         self._check_length(request_id, seq.request.num_tokens + 1)

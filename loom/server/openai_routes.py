@@ -305,12 +305,9 @@ async def tokenize(body: TokenizeRequest, request: Request,
     """Token ids of a prompt, or of messages through the chat template."""
     state = get_state(request)
     state.check_model(body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-    if body.messages is not None:
-        ids = state.chat_ids(body.messages)
-    else:
-        ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    prompt = state.prompt_or_messages(body.prompt, body.messages)
+    ids = prompt if isinstance(prompt, list) else state.tokenizer.encode(
+        prompt, add_special_tokens=body.add_special_tokens)
     return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
 

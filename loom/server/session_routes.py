@@ -52,20 +52,13 @@ async def create_session(body: SessionCreateRequest, request: Request,
     """Open a session over a prompt (or messages): its prompt is computed and it pauses."""
     state = get_state(request)
     state.check_model(body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+    prompt = state.prompt_or_messages(body.prompt, body.messages, add_generation_prompt=False)
     owned = [sid for sid, owner in state.session_owners.items()
              if owner == key and sid in state.engine.engine._groups]
     if len(owned) >= state.config.max_sessions_per_key:
         raise APIError(429, f"this API key has {len(owned)} open sessions, the most allowed "
                             f"(--max-sessions-per-key={state.config.max_sessions_per_key}); "
                             "close one first", code="too_many_sessions")
-    prompt: str | list[int]
-    if body.messages is not None:
-        prompt = state.chat_ids(body.messages, add_generation_prompt=False)
-    else:
-        assert body.prompt is not None
-        prompt = body.prompt
     session_id = f"sess-{uuid.uuid4().hex}"
     await state.engine.add_request(session_id, prompt, None, session=True, pin=body.pin,
                                    ttl_s=body.ttl_s)
@@ -162,11 +155,11 @@ async def append(session_id: str, body: SessionAppendRequest, request: Request,
     if body.starts_generation:
         if body.n != 1:
             raise APIError(400, "a session generates one sequence: n must be 1", param="n")
-        # The fragment is computed first (its logits stored), then the segment samples its
-        # first token from them: the same tokens as generating right after the fragment,
-        # and the segment's text starts after the fragment.
+        # The fragment is appended first, so the segment's text and token counts start after
+        # it; the segment then starts on the paused session. If no step has computed the
+        # fragment yet, the step that computes it samples the first token (no extra step);
+        # otherwise the first token comes from its stored logits. Same tokens either way.
         await state.engine.prefill(session_id, fragment, heal=body.heal)
-        await state.unless_disconnected(request, state.engine.wait_for_logits(session_id))
         return await _segment(state, session_id, body, request,
                               lambda params: state.engine.resume(session_id, params))
     appended = await state.engine.prefill(session_id, fragment, heal=body.heal)

@@ -94,6 +94,19 @@ class ServerState:
                            code="context_length_exceeded")
         return requested
 
+    def prompt_or_messages(
+        self, prompt: str | list[int] | None, messages: Sequence[Any] | None,
+        add_generation_prompt: bool = True,
+    ) -> str | list[int]:
+        """The body's prompt as given, or its messages' ids through the chat template; a 400
+        unless exactly one of the two is present."""
+        if (prompt is None) == (messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if messages is not None:
+            return self.chat_ids(messages, add_generation_prompt=add_generation_prompt)
+        assert prompt is not None
+        return prompt
+
     def chat_ids(self, messages: Sequence[Any], add_generation_prompt: bool = True) -> list[int]:
         """A conversation's prompt ids through the chat template (400 when there is none)."""
         if self.chat_template is None:
