@@ -15,6 +15,11 @@ class UnsupportedModelError(LoomError):
     """A model whose architecture (or file format) Loom cannot run."""
 
 
+class InvalidModelError(LoomError, ValueError):
+    """A model file that is damaged or disagrees with its config (truncated, corrupt, wrong
+    shapes); the message names the file and the problem."""
+
+
 class MissingDependencyError(LoomError):
     """An optional package is needed; the message names the extra to install."""
 

@@ -7,6 +7,7 @@ The model loader and the GGUF tokenizer converter both read files through it.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
 from gguf.quants import quant_shape_to_byte_shape
 
-from loom.errors import UnsupportedModelError
+from loom.errors import InvalidModelError, UnsupportedModelError
 
 # GGUFValueType -> struct format of fixed-size scalars (little endian).
 _SCALARS: dict[int, str] = {
@@ -24,6 +25,8 @@ _SCALARS: dict[int, str] = {
     10: "<Q", 11: "<q", 12: "<d",
 }
 _STRING, _ARRAY = 8, 9
+# The smallest encoding of one string (its u64 length) and one array (u32 type + u64 count).
+_MIN_ITEM_SIZE = {_STRING: 8, _ARRAY: 12}
 _NUMPY: dict[int, str] = {
     0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?",
     10: "<u8", 11: "<i8", 12: "<f8",
@@ -58,23 +61,59 @@ class GGUFTensorInfo:
     qtype: GGMLQuantizationType
     offset: int  # absolute byte offset of the data in the file
 
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor's data in the file."""
+        n_elems = math.prod(self.shape)
+        if self.qtype in _PLAIN_TENSORS:
+            return n_elems * np.dtype(_PLAIN_TENSORS[self.qtype]).itemsize
+        block, type_size = GGML_QUANT_SIZES[self.qtype]
+        return n_elems * type_size // block
+
 
 class GGUFFile:
-    """Parsed header of a .gguf file with lazy access to arrays and tensor data."""
+    """Parsed header of a .gguf file with lazy access to arrays and tensor data.
+
+    A file too short for its header or its tensor data (an interrupted download) raises
+    `InvalidModelError`; the data itself is not read.
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self.size = self.path.stat().st_size
+        if self.size < 4:
+            what = "empty (0 bytes)" if self.size == 0 else f"truncated: only {self.size} bytes"
+            raise InvalidModelError(
+                f"{self.path}: {what}, not a complete GGUF file (an interrupted download?)"
+            )
         self._buf = np.memmap(self.path, dtype=np.uint8, mode="r")
         self._raw = memoryview(self._buf)
         self.metadata: dict[str, Any] = {}
         self.tensors: list[GGUFTensorInfo] = []
-        self._parse()
+        try:
+            self._parse()
+        except struct.error:
+            raise self._header_overrun() from None
+        expected = max((t.offset + t.nbytes for t in self.tensors), default=0)
+        if self.size < expected:
+            raise InvalidModelError(
+                f"{self.path}: truncated: {self.size:,} of {expected:,} bytes"
+                " (an interrupted download?)"
+            )
+
+    def _header_overrun(self) -> InvalidModelError:
+        return InvalidModelError(
+            f"{self.path}: truncated or corrupt GGUF header: the metadata runs past the end"
+            f" of the file ({self.size:,} bytes)"
+        )
 
     def _unpack(self, fmt: str, pos: int) -> tuple[Any, int]:
         return struct.unpack_from(fmt, self._raw, pos)[0], pos + struct.calcsize(fmt)
 
     def _string(self, pos: int) -> tuple[str, int]:
         n, pos = self._unpack("<Q", pos)
+        if pos + n > self.size:
+            raise self._header_overrun()
         return bytes(self._raw[pos : pos + n]).decode("utf-8", errors="replace"), pos + n
 
     def _value(self, vtype: int, pos: int) -> tuple[Any, int]:
@@ -92,7 +131,14 @@ class GGUFFile:
     def _skip_array(self, array: GGUFArray) -> int:
         """Offset just past the array's elements."""
         if array.item_type in _SCALARS:
-            return array.offset + array.count * struct.calcsize(_SCALARS[array.item_type])
+            item_size = struct.calcsize(_SCALARS[array.item_type])
+        else:
+            item_size = _MIN_ITEM_SIZE.get(array.item_type, 1)
+        end = array.offset + array.count * item_size  # exact for scalars, a bound otherwise
+        if end > self.size:
+            raise self._header_overrun()
+        if array.item_type in _SCALARS:
+            return end
         pos = array.offset
         for _ in range(array.count):
             _, pos = self._value(array.item_type, pos)
@@ -118,7 +164,13 @@ class GGUFFile:
             pos += 8 * n_dims
             qtype, pos = self._unpack("<I", pos)
             rel, pos = self._unpack("<Q", pos)
-            infos.append((name, tuple(reversed(dims)), GGMLQuantizationType(qtype), rel))
+            try:
+                ggml_type = GGMLQuantizationType(qtype)
+            except ValueError:
+                raise UnsupportedModelError(
+                    f"{self.path}: tensor {name!r} has unknown GGML type {qtype}"
+                ) from None
+            infos.append((name, tuple(reversed(dims)), ggml_type, rel))
         align = int(self.metadata.get("general.alignment", GGUF_DEFAULT_ALIGNMENT))
         data_start = -(-pos // align) * align
         self.tensors = [
@@ -158,11 +210,9 @@ class GGUFFile:
 
     def tensor_data(self, info: GGUFTensorInfo) -> np.ndarray:
         """The raw (read-only, memory-mapped) data in the layout `gguf.quants.dequantize` takes."""
-        n_elems = int(np.prod(info.shape))
         if info.qtype in _PLAIN_TENSORS:
             dt = np.dtype(_PLAIN_TENSORS[info.qtype])
+            n_elems = math.prod(info.shape)
             return np.frombuffer(self._raw, dt, n_elems, info.offset).reshape(info.shape)
-        block, type_size = GGML_QUANT_SIZES[info.qtype]
-        n_bytes = n_elems * type_size // block
-        data = np.frombuffer(self._raw, np.uint8, n_bytes, info.offset)
+        data = np.frombuffer(self._raw, np.uint8, info.nbytes, info.offset)
         return data.reshape(quant_shape_to_byte_shape(info.shape, info.qtype))

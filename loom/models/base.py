@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from loom.attention import get_forward_context
+from loom.errors import InvalidModelError
 from loom.models.config import ModelConfig
 from loom.models.fused_decode import FusedDecoder
 from loom.models.layers import Linear
@@ -97,7 +98,11 @@ class CausalLM(nn.Module):
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy (hf_name, tensor) pairs into parameters; raise if any parameter stays unset."""
+        """Copy (hf_name, tensor) pairs into parameters.
+
+        Raises `InvalidModelError` for a weight with no parameter, a shape the config does not
+        expect (a config.json that disagrees with the weights), or a parameter left unset.
+        """
         params: dict[str, Any] = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
@@ -105,15 +110,23 @@ class CausalLM(nn.Module):
             if name is None:
                 continue
             if name not in params:
-                raise KeyError(f"checkpoint weight {hf_name!r} has no parameter {name!r}")
+                raise InvalidModelError(
+                    f"checkpoint weight {hf_name!r} has no parameter {name!r} in"
+                    f" {type(self).__name__}"
+                )
             param = params[name]
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"weight {hf_name!r}: shape {tuple(tensor.shape)} != {tuple(param.shape)}"
+            got, want = tuple(tensor.shape), tuple(param.shape)
+            if got != want:
+                raise InvalidModelError(
+                    f"tensor {hf_name!r} has shape {got}, config expects {want}"
+                    " (the model config and the weights disagree)"
                 )
             with torch.no_grad():
                 param.copy_(tensor)
             loaded.add(name)
         missing = sorted(set(params) - loaded)
         if missing:
-            raise KeyError(f"checkpoint lacks weights for {len(missing)} parameters: {missing[:5]}")
+            raise InvalidModelError(
+                f"checkpoint lacks weights for {len(missing)} parameters of"
+                f" {type(self).__name__}: {missing[:5]}"
+            )

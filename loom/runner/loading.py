@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from loom.errors import InvalidModelError
 from loom.loader import load_model_files, resolve_model_path
 from loom.models.base import CausalLM
 from loom.models.config import ModelConfig
@@ -47,7 +48,12 @@ def build_model(
     model = model.to_empty(device=device).to(dtype)
     if model.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.load_weights(weights)
+    try:
+        model.load_weights(weights)
+    except InvalidModelError as exc:
+        if str(_source.path) in str(exc):  # a file-level error already names the file
+            raise
+        raise InvalidModelError(f"{_source.path}: {exc}") from None
     fuse_projections(model)
     if quantization is not None:
         quantize_model_int8(model, quantize_activations=quantization == "w8a8")
