@@ -25,6 +25,7 @@ _SCALARS: dict[int, str] = {
     10: "<Q", 11: "<q", 12: "<d",
 }
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 # The smallest encoding of one string (its u64 length) and one array (u32 type + u64 count).
 _MIN_ITEM_SIZE = {_STRING: 8, _ARRAY: 12}
 _NUMPY: dict[int, str] = {
@@ -140,6 +141,14 @@ class GGUFFile:
         if array.item_type in _SCALARS:
             return end
         pos = array.offset
+        if array.item_type == _STRING:  # a vocabulary: 262k strings, walked in a tight loop
+            length = _U64.unpack_from
+            raw = self._raw
+            for _ in range(array.count):
+                pos += 8 + length(raw, pos)[0]
+            if pos > self.size:
+                raise self._header_overrun()
+            return pos
         for _ in range(array.count):
             _, pos = self._value(array.item_type, pos)
         return pos

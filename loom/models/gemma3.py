@@ -10,7 +10,7 @@ from torch import nn
 from loom.attention import AttentionSpec
 from loom.models.base import CausalLM, DecoderBody
 from loom.models.config import ModelConfig
-from loom.models.layers import GatedMLP, RMSNorm, SelfAttention
+from loom.models.layers import GatedMLP, RMSNorm, SelfAttention, empty_embedding
 from loom.models.rope import resolve_rope
 
 
@@ -77,7 +77,7 @@ class Gemma3ForCausalLM(CausalLM):
             Gemma3DecoderLayer(i, t, config, kinds[i]) for i in range(config.num_layers)
         ]
         body = DecoderBody(
-            nn.Embedding(config.vocab_size, config.hidden_size),
+            empty_embedding(config.vocab_size, config.hidden_size),
             layers,
             RMSNorm(config.hidden_size, float(t["rms_norm_eps"]), gemma=True),
         )

@@ -101,12 +101,16 @@ class GatedMLP(nn.Module):
 
 
 def _stack_linears(linears: list[nn.Linear]) -> nn.Linear:
-    """One nn.Linear whose output is the concatenation of the given layers' outputs."""
-    weight = torch.cat([lin.weight.detach() for lin in linears])
+    """One nn.Linear whose output is the concatenation of the given layers' outputs (on the
+    meta device only the shapes: no op runs, so rebuilding a cached model costs nothing)."""
+    first = linears[0].weight
     biases = [lin.bias for lin in linears]
     has_bias = any(b is not None for b in biases)
-    fused = Linear(weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device,
-                   dtype=weight.dtype)
+    fused = Linear(first.shape[1], sum(lin.weight.shape[0] for lin in linears), bias=has_bias,
+                   device=first.device, dtype=first.dtype)
+    if first.is_meta:
+        return fused
+    weight = torch.cat([lin.weight.detach() for lin in linears])
     with torch.no_grad():
         fused.weight.copy_(weight)
         if has_bias:
@@ -171,6 +175,12 @@ class SelfAttention(nn.Module):
         q, k = self.rotary(positions, q, k)
         out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v)
         return self.o_proj(out)
+
+
+def empty_embedding(num_embeddings: int, dim: int) -> nn.Embedding:
+    """An nn.Embedding whose table is left uninitialised (weights are loaded over it). Its
+    default random init, run on the meta device, imports torch._dynamo (2.3 s of start-up)."""
+    return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim))
 
 
 def fuse_projections(model: nn.Module) -> nn.Module:

@@ -75,15 +75,26 @@ class Int8Linear(nn.Module):
         super().__init__()
         # w8a8: the CPU kernel also rounds activations to int8 per block of 32 (small batches).
         self.quantize_activations = quantize_activations and weight.shape[1] % 32 == 0
-        self.out_features, self.in_features = weight.shape
-        w_int8, scales = quantize_weight_int8(weight)
+        self.out_features, self.in_features = n, k = weight.shape
         quad = (self.quantize_activations and self.out_features % 4 == 0
                 and cpu_kernels_available())
         self.layout = "quad" if quad else "rows"
-        self.register_buffer("weight_q", to_quad_layout(w_int8) if quad else w_int8)
+        if weight.is_meta:  # rebuilding a cached model's structure: shapes only, no op runs
+            meta = {"device": "meta"}
+            w_q = torch.empty((n // 4, k // 32, 4, 32) if quad else (n, k), dtype=torch.int8,
+                              **meta)
+            scales = torch.empty(n, dtype=torch.bfloat16, **meta)
+            scales_f32 = torch.empty(n, dtype=torch.float32, **meta)
+            bias_f32 = None if bias is None else torch.empty(n, dtype=torch.float32, **meta)
+        else:
+            w_int8, scales = quantize_weight_int8(weight)
+            w_q = to_quad_layout(w_int8) if quad else w_int8
+            scales_f32 = scales.float()
+            bias_f32 = None if bias is None else bias.detach().float().clone()
+        self.register_buffer("weight_q", w_q)
         self.register_buffer("scales", scales)  # bfloat16, the kernel's activation dtype
-        self.register_buffer("scales_f32", scales.float())  # the same values, for loom.kernels
-        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.register_buffer("scales_f32", scales_f32)  # the same values, for loom.kernels
+        self.register_buffer("bias", bias_f32)
 
     def row_major_int8(self) -> torch.Tensor:
         """The int8 weight [N, K], row-major (a copy when stored in the quad layout)."""

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from loom.errors import InvalidModelError
-from loom.loader import load_model_files, resolve_model_path
+from loom.kernels import cpu_kernels_available
+from loom.loader import load_model_files, locate_model_files, resolve_model_path
 from loom.models.base import CausalLM
 from loom.models.config import ModelConfig
 from loom.models.layers import fuse_projections
 from loom.models.quant import quantize_model_int8
 from loom.models.registry import get_model_class
+from loom.runner.prepared import load_prepared, prepared_path, read_prepared_config, save_prepared
+
+logger = logging.getLogger("loom")
 
 # "int8": weight-only int8; "w8a8": int8 weights and, in small-batch CPU kernels, int8
 # activations rounded per block of 32 (faster decode, slightly less exact).
@@ -30,35 +37,81 @@ def build_model(
     After loading, q/k/v and gate/up projections are stacked into one layer each
     (`fuse_projections`). `quantization="int8"` / `"w8a8"` loads in float32, turns every
     linear layer (and the output projection) into int8, then casts the remaining parameters
-    to `dtype`.
+    to `dtype`. A GGUF model is prepared once per mode and reused from the disk cache
+    (`loom.runner.prepared`; `LOOM_PREPARED_CACHE=0` turns it off).
     """
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"unsupported quantization {quantization!r}; known: {QUANTIZATIONS}")
-    final_dtype = dtype
-    if quantization is not None:
-        dtype = torch.float32
-    resolved = resolve_model_path(path)
-    hf_config, weights, _source = load_model_files(resolved, dtype=dtype)
-    architectures = hf_config.get("architectures") or ["<missing 'architectures'>"]
-    model_cls = get_model_class(str(architectures[0]))  # unsupported -> error before parsing
-    config = ModelConfig.from_hf(hf_config)
+    source = locate_model_files(resolve_model_path(path))
+    cache = None
+    if source.format == "gguf" and os.environ.get("LOOM_PREPARED_CACHE", "1") != "0":
+        layout = "quad" if quantization == "w8a8" and cpu_kernels_available() else "rows"
+        cache = prepared_path(source.path, dtype, quantization, layout)
+        stored_config = read_prepared_config(cache)
+        if stored_config is not None:
+            model_cls, config = _architecture(stored_config)
+            model = load_prepared(
+                cache, lambda: _prepare(_construct(model_cls, config, dtype, quantization),
+                                        dtype, quantization), device)
+            if model is not None:
+                return config, _for_inference(model)
+    hf_config, weights, _ = load_model_files(source.path, dtype=_load_dtype(dtype, quantization))
+    model_cls, config = _architecture(hf_config)
     # Construct without allocating or initialising, then fill every parameter from the file.
     with torch.device("meta"):
-        model = model_cls(config)
-    model = model.to_empty(device=device).to(dtype)
-    if model.tie_embeddings:
+        model = _construct(model_cls, config, dtype, quantization)
+    model = model.to_empty(device=device)
+    if model.tie_embeddings:  # to_empty gave the output projection its own (empty) tensor
         model.lm_head.weight = model.model.embed_tokens.weight
     try:
         model.load_weights(weights)
     except InvalidModelError as exc:
-        if str(_source.path) in str(exc):  # a file-level error already names the file
+        if str(source.path) in str(exc):  # a file-level error already names the file
             raise
-        raise InvalidModelError(f"{_source.path}: {exc}") from None
+        raise InvalidModelError(f"{source.path}: {exc}") from None
+    model = _prepare(model, dtype, quantization)
+    if cache is not None:
+        try:
+            save_prepared(cache, model, hf_config)
+        except OSError as exc:  # a read-only or full cache only costs the next start time
+            logger.warning("could not cache the prepared weights at %s: %s", cache, exc)
+    return config, _for_inference(model)
+
+
+def _load_dtype(dtype: torch.dtype, quantization: str | None) -> torch.dtype:
+    """int8 modes quantise from float32 weights; the others load in their final dtype."""
+    return torch.float32 if quantization is not None else dtype
+
+
+def _architecture(hf_config: dict[str, Any]) -> tuple[type[CausalLM], ModelConfig]:
+    architectures = hf_config.get("architectures") or ["<missing 'architectures'>"]
+    model_cls = get_model_class(str(architectures[0]))  # unsupported -> error before parsing
+    return model_cls, ModelConfig.from_hf(hf_config)
+
+
+def _construct(model_cls: type[CausalLM], config: ModelConfig, dtype: torch.dtype,
+               quantization: str | None) -> CausalLM:
+    """The module tree in the dtype weights load in (on the current default device), with a
+    tied output projection sharing the embedding."""
+    model = model_cls(config).to(_load_dtype(dtype, quantization))
+    if model.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def _prepare(model: CausalLM, dtype: torch.dtype, quantization: str | None) -> CausalLM:
+    """The steps after loading: stack projections, quantise, cast to the final dtype (also
+    run on the meta device to rebuild a cached model's structure)."""
     fuse_projections(model)
     if quantization is not None:
         quantize_model_int8(model, quantize_activations=quantization == "w8a8")
         for param in model.parameters():
-            param.data = param.data.to(final_dtype)
+            if param.dtype != dtype:
+                param.data = param.data.to(dtype)
+    return model
+
+
+def _for_inference(model: CausalLM) -> CausalLM:
     model.eval()
     model.requires_grad_(False)  # inference only; lets the CPU kernels run in any grad mode
-    return config, model
+    return model

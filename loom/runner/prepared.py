@@ -1,0 +1,118 @@
+"""A disk cache of models prepared for their mode: weights in their final dtype and layout.
+
+Preparing a GGUF model costs seconds on every start: dequantising its blocks, stacking q/k/v
+and gate/up, rounding to int8 for "int8"/"w8a8". The prepared state is saved once as one
+safetensors file under `loom_cache_dir("prepared")`, keyed by the source file's identity
+(resolved path, size, modification time), the dtype, the quantization, the weight layout and
+`FORMAT`. A warm start parses nothing from the GGUF: it builds the module tree on the meta
+device (no memory, no initialisation), applies the same structural steps there, and assigns
+the stored tensors in place. Only GGUF sources are cached (a float safetensors checkpoint
+already loads as fast as the cache would); the newest `KEEP` entries are kept.
+
+A damaged entry (truncated, unreadable, mismatching the module tree) is deleted and the model
+is prepared again from its source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from loom.cache_dir import loom_cache_dir
+from loom.models.base import CausalLM
+
+logger = logging.getLogger("loom")
+
+# Bump when what a prepared file holds changes (module tree, layouts, quantisation rules).
+FORMAT = "1"
+# Prepared entries kept on disk (the least recently used beyond these are deleted).
+KEEP = 3
+
+
+def prepared_path(source: Path, dtype: torch.dtype, quantization: str | None,
+                  layout: str) -> Path:
+    """The cache file of `source` prepared as (dtype, quantization, int8 layout)."""
+    st = source.stat()
+    ident = "|".join([FORMAT, str(source.resolve()), str(st.st_size), str(st.st_mtime_ns),
+                      str(dtype), str(quantization), layout])
+    digest = hashlib.sha256(ident.encode()).hexdigest()[:20]
+    return loom_cache_dir("prepared") / f"{source.stem}-{digest}.safetensors"
+
+
+def save_prepared(path: Path, model: CausalLM, hf_config: dict[str, Any]) -> None:
+    """Write the model's state (tied tensors once) and its config, atomically."""
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[int, int], str] = {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        tensors[name] = tensor.detach().contiguous()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"hf_config": json.dumps(hf_config),
+                                          "aliases": json.dumps(aliases)})
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    _prune(path.parent)
+
+
+def read_prepared_config(path: Path) -> dict[str, Any] | None:
+    """The HF config stored with a prepared file, or None when there is no usable entry."""
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        return json.loads(meta["hf_config"])
+    except Exception as exc:  # a damaged entry: drop it, prepare afresh
+        logger.warning("discarding unreadable prepared weights %s: %s", path, exc)
+        path.unlink(missing_ok=True)
+        return None
+
+
+def load_prepared(path: Path, skeleton: Callable[[], CausalLM],
+                  device: torch.device | str) -> CausalLM | None:
+    """The model `skeleton()` builds on the meta device, filled from `path`; None (and the
+    entry deleted) when the file does not match it."""
+    try:
+        with safe_open(str(path), framework="pt", device=str(torch.device(device))) as f:
+            aliases: dict[str, str] = json.loads((f.metadata() or {}).get("aliases", "{}"))
+            state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        for alias, name in aliases.items():
+            state[alias] = state[name]
+        with torch.device("meta"):
+            model = skeleton()
+        model.load_state_dict(state, strict=True, assign=True)
+        if model.tie_embeddings and isinstance(model.lm_head, torch.nn.Linear):
+            # assign=True wrapped the shared tensor twice: make it one parameter again
+            model.lm_head.weight = model.model.embed_tokens.weight
+    except Exception as exc:  # damaged or stale: prepare afresh from the source
+        logger.warning("discarding prepared weights %s: %s", path, exc)
+        path.unlink(missing_ok=True)
+        return None
+    os.utime(path)  # most recently used
+    return model
+
+
+def _prune(folder: Path) -> None:
+    entries = sorted(folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime,
+                     reverse=True)
+    for stale in entries[KEEP:]:
+        stale.unlink(missing_ok=True)
