@@ -42,7 +42,9 @@ class HostInfo:
     device: str  # "cpu" or "cuda[:n]"
     cpu_flags: frozenset[str] = frozenset()
     cpu_kernels: bool = False  # Loom's compiled CPU kernels loaded
-    bf16_speedup: float = 0.0  # float32 matmul time / bf16 matmul time, measured on the CPU
+    # float32 matmul time / bf16 matmul time on the CPU; None: measured when first needed
+    # (only a float model with dtype="auto" on a CPU needs it).
+    bf16_speedup: float | None = None
     cuda_bf16: bool = False
 
     @property
@@ -61,14 +63,18 @@ class HostInfo:
 
     @classmethod
     def detect(cls, device: str) -> HostInfo:
-        """Probe this machine (the bf16 timing runs once per process, CPU only)."""
+        """Probe this machine (the bf16 timing is left to `bf16_ratio`, run at most once per
+        process)."""
         if device.startswith("cuda"):
             return cls(device=device, cpu_flags=cpu_flags(),
                        cuda_bf16=torch.cuda.is_bf16_supported())
         from loom.kernels import cpu_kernels_available
 
-        return cls(device=device, cpu_flags=cpu_flags(), cpu_kernels=cpu_kernels_available(),
-                   bf16_speedup=measure_bf16_speedup())
+        return cls(device=device, cpu_flags=cpu_flags(), cpu_kernels=cpu_kernels_available())
+
+    def bf16_ratio(self) -> float:
+        """`bf16_speedup`, measuring it here if it was not given."""
+        return measure_bf16_speedup() if self.bf16_speedup is None else self.bf16_speedup
 
 
 @dataclass(frozen=True)
@@ -122,7 +128,7 @@ def choose_mode(
         elif quant is not None and host.cpu_kernels:
             dtype = "float32"
         else:
-            dtype = "bfloat16" if host.bf16_speedup >= BF16_MIN_SPEEDUP else "float32"
+            dtype = "bfloat16" if host.bf16_ratio() >= BF16_MIN_SPEEDUP else "float32"
     kv = normalize_dtype(kv_cache_dtype)
     if kv == "auto":
         kv = "float16" if auto_quant and quant == "w8a8" else dtype
