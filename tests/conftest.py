@@ -62,3 +62,22 @@ def gemma_hf_tokenizer(gemma_path):
     import transformers as tf
 
     return tf.AutoTokenizer.from_pretrained(str(gemma_path.parent), gguf_file=gemma_path.name)
+
+
+def _runnable_kernel_variants() -> list[str]:
+    from loom.kernels.build import runnable_variants
+
+    return runnable_variants() or ["none"]
+
+
+@pytest.fixture(params=_runnable_kernel_variants())
+def each_kernel_variant(request) -> str:
+    """Runs the test once per CPU kernel variant this host can execute (AVX2, AVX-512 VNNI).
+    Modules opt in with `pytestmark = pytest.mark.usefixtures("each_kernel_variant")`."""
+    from loom.kernels.build import use_variant
+
+    if request.param == "none":
+        yield request.param
+        return
+    with use_variant(request.param):
+        yield request.param

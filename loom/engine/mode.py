@@ -22,10 +22,10 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from loom.cpu_features import cpu_flags
 from loom.runner.loading import QUANTIZATIONS
 
 # A bf16 matmul must beat float32 by this factor before dtype="auto" picks bfloat16 on a CPU
@@ -133,19 +133,6 @@ def choose_mode(
     if kv == "auto":
         kv = "float16" if auto_quant and quant == "w8a8" else dtype
     return ExecutionMode(dtype=dtype, quantization=quant, kv_cache_dtype=kv)
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags of /proc/cpuinfo (empty where it cannot be read)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
 
 
 @functools.cache

@@ -1,6 +1,14 @@
 """Compile `cpu_kernels.c` once per machine with the system C compiler and load it.
 
-The shared library is cached under `loom_cache_dir("kernels")`, keyed by a hash of the
+One source, several variants (`VARIANTS`): the same C compiled with the flags of an
+instruction-set target. At load the widest variant whose CPU features the host has (read
+from /proc/cpuinfo, i.e. cpuid) is chosen; `LOOM_CPU_KERNEL_VARIANT=<name>` picks a
+narrower one, and `use_variant` switches within a process (tests run every kernel test on
+each variant the host can execute). Every variant computes the same integer sums; the
+AVX-512 VNNI one does the int8 dot products of w8a8 in one instruction
+(`vpdpbusd`) instead of three.
+
+A shared library is cached under `loom_cache_dir("kernels")`, keyed by a hash of the
 source, the flags and the compiler, and written atomically so concurrent processes never
 load a half-written file. Anything that goes wrong (no compiler, no AVX2/FMA, a failed
 build, `LOOM_CPU_KERNELS=0`) leaves the kernels unavailable and Loom on its pure-torch
@@ -9,27 +17,65 @@ paths; the reason is kept for `kernel_status()`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from loom.cache_dir import loom_cache_dir
+from loom.cpu_features import cpu_flags
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # -mf16c: float16 KV caches (every AVX2 CPU has F16C). -ffp-contract=off: every fused
 # multiply-add is an explicit intrinsic, so results do not depend on how the compiler
 # contracts the scalar code (batch invariance relies on it).
-FLAGS = (
+BASE_FLAGS = (
     "-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC",
     "-fvisibility=hidden",
 )
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """One instruction-set target of the kernels."""
+
+    name: str
+    flags: tuple[str, ...]  # compiler flags beyond BASE_FLAGS
+    cpu_features: frozenset[str]  # /proc/cpuinfo flags the host needs to run it
+
+
+# Widest first: the first variant the host can run is the default.
+VARIANTS = (
+    KernelVariant(
+        "avx512-vnni",
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+    ),
+    KernelVariant("avx2", (), frozenset({"avx2", "fma", "f16c"})),
+)
+VARIANT_ENV = "LOOM_CPU_KERNEL_VARIANT"
+
+
+def variant_named(name: str) -> KernelVariant:
+    for variant in VARIANTS:
+        if variant.name == name:
+            return variant
+    raise ValueError(
+        f"unknown CPU kernel variant {name!r}; known: {', '.join(v.name for v in VARIANTS)}"
+    )
+
+
+def runnable_variants(flags: frozenset[str] | None = None) -> list[str]:
+    """Names of the variants a CPU with these feature flags (default: this one) executes,
+    widest first."""
+    flags = cpu_flags() if flags is None else flags
+    return [v.name for v in VARIANTS if v.cpu_features <= flags]
 
 _i64, _f32 = ctypes.c_int64, ctypes.c_float
 _ptr = ctypes.c_void_p
@@ -53,20 +99,31 @@ RESTYPES: dict[str, type] = {"loom_attention_scratch_floats": _i64}
 
 @dataclass
 class _Loaded:
-    """The outcome of the one build-and-load attempt per process."""
+    """The outcome of one build-and-load attempt (one per variant and process)."""
 
     lib: ctypes.CDLL | None
     reason: str | None  # why `lib` is None
+    variant: str | None  # the variant tried
 
 
-_loaded: _Loaded | None = None
+_loaded: dict[str | None, _Loaded] = {}
+_active: str | None = None  # set by `use_variant`; None: the default choice
 
-def _cpu_supported() -> str | None:
-    """None when this CPU runs the kernels, else why not."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX2", "AVX512"):
-        return f"CPU capability {capability!r} lacks AVX2"
-    return None
+
+def _default_variant() -> tuple[str | None, str | None]:
+    """(variant name, None), or (None, why no variant runs here)."""
+    runnable = runnable_variants()
+    requested = os.environ.get(VARIANT_ENV)
+    if requested:
+        if requested not in {v.name for v in VARIANTS}:
+            known = ", ".join(v.name for v in VARIANTS)
+            return None, f"{VARIANT_ENV}={requested} names no variant (known: {known})"
+        if requested not in runnable:
+            return None, f"{VARIANT_ENV}={requested} needs CPU features this host lacks"
+        return requested, None
+    if not runnable:
+        return None, "the CPU lacks AVX2, FMA or F16C"
+    return runnable[0], None
 
 
 def _compiler() -> str | None:
@@ -76,14 +133,16 @@ def _compiler() -> str | None:
     return None
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, variant: KernelVariant) -> Path:
+    """The variant's shared library, compiled unless the cache holds it."""
+    flags = (*BASE_FLAGS, *variant.flags)
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()
+        SOURCE.read_bytes() + " ".join(flags).encode() + version.encode()
     ).hexdigest()[:16]
-    target = loom_cache_dir("kernels") / f"loom_cpu_{key}.so"
+    target = loom_cache_dir("kernels") / f"loom_cpu_{variant.name}_{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -91,7 +150,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            [compiler, *flags, str(SOURCE), "-o", tmp, "-lm"],
             capture_output=True, text=True, check=False,
         )
         if result.returncode != 0:
@@ -103,36 +162,65 @@ def _build(compiler: str) -> Path:
     return target
 
 
-def _try_load() -> _Loaded:
+def _try_load(name: str | None) -> _Loaded:
+    """Build and load variant `name` (None: the default choice for this host)."""
     if os.environ.get("LOOM_CPU_KERNELS", "1") == "0":
-        return _Loaded(None, "disabled by LOOM_CPU_KERNELS=0")
-    unsupported = _cpu_supported()
-    if unsupported is not None:
-        return _Loaded(None, unsupported)
+        return _Loaded(None, "disabled by LOOM_CPU_KERNELS=0", None)
+    if name is None:
+        name, unsupported = _default_variant()
+        if name is None:
+            return _Loaded(None, unsupported, None)
+    elif name not in runnable_variants():
+        return _Loaded(None, f"this CPU cannot run the {name} kernels", name)
     compiler = _compiler()
     if compiler is None:
-        return _Loaded(None, "no C compiler (cc, gcc or clang) on PATH")
+        return _Loaded(None, "no C compiler (cc, gcc or clang) on PATH", name)
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
-        for name, argtypes in SIGNATURES.items():
-            fn = getattr(lib, name)
+        lib = ctypes.CDLL(str(_build(compiler, variant_named(name))))
+        for fn_name, argtypes in SIGNATURES.items():
+            fn = getattr(lib, fn_name)
             fn.argtypes = argtypes
-            fn.restype = RESTYPES.get(name)
+            fn.restype = RESTYPES.get(fn_name)
     except (OSError, RuntimeError, AttributeError) as exc:
-        return _Loaded(None, f"build or load failed: {exc}")
-    return _Loaded(lib, None)
+        return _Loaded(None, f"build or load failed: {exc}", name)
+    return _Loaded(lib, None, name)
+
+
+def _current() -> _Loaded:
+    if _active not in _loaded:
+        _loaded[_active] = _try_load(_active)
+    return _loaded[_active]
 
 
 def load_library() -> ctypes.CDLL | None:
-    """The compiled kernels, building them on first use; None when they cannot be had."""
-    global _loaded
-    if _loaded is None:
-        _loaded = _try_load()
-    return _loaded.lib
+    """The compiled kernels of the active variant, building them on first use; None when
+    they cannot be had."""
+    return _current().lib
+
+
+def kernel_variant() -> str | None:
+    """The name of the variant in use ('avx512-vnni', 'avx2'), or None without kernels."""
+    loaded = _current()
+    return loaded.variant if loaded.lib is not None else None
 
 
 def kernel_status() -> str:
-    """'available', or why the CPU kernels are not used."""
-    load_library()
-    assert _loaded is not None
-    return _loaded.reason or "available"
+    """'available (<variant>)', or why the CPU kernels are not used."""
+    loaded = _current()
+    return loaded.reason or f"available ({loaded.variant})"
+
+
+@contextlib.contextmanager
+def use_variant(name: str) -> Iterator[None]:
+    """Run the kernels of variant `name` inside the block (which must be runnable here).
+    Objects that keep the library (a fused decoder) keep the variant they were built with."""
+    global _active
+    variant_named(name)
+    previous = _active
+    _active = name
+    try:
+        if load_library() is None:
+            raise RuntimeError(f"CPU kernel variant {name} unavailable: {kernel_status()}")
+        yield
+    finally:
+        _active = previous

@@ -1,4 +1,6 @@
 /* Loom's CPU kernels (x86-64, AVX2 + FMA), built at first use by loom/kernels/build.py.
+ * The same source builds every variant there (AVX2; AVX-512 VNNI, where `dot32_i8` is one
+ * instruction); `#if` blocks select the wider code and must keep every result identical.
  *
  * Plain C with a C ABI and no PyTorch headers, so it compiles in about a second and is
  * called through ctypes with tensor data pointers. All tensors are float32 unless named
@@ -523,10 +525,18 @@ static void quantize_row_q8(const float *x, int64_t k, int8_t *xq, float *xs) {
     }
 }
 
-/* Sum of the 32 int8 products of w and x as 8 int32 lanes (w in [-127, 127]). */
+/* Sum of the 32 int8 products of w and x as 8 int32 lanes (lane i: products 4i..4i+3; w and
+ * x in [-127, 127]). Both versions are exact, so every variant gives the same lanes: |w| as
+ * unsigned bytes times x carrying w's sign; AVX2 sums pairs in int16 (at most 2 * 127 * 127,
+ * no saturation) then pairs of those in int32; VNNI sums the four products in int32 at once. */
 static inline __m256i dot32_i8(__m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w),
+                               _mm256_sign_epi8(x, w));
+#else
     const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
 }
 
 /* xq [m, k] and xs [m, k / 32]: every row of x quantised per block (rows split over threads). */

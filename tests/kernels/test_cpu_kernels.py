@@ -19,9 +19,12 @@ from loom.kernels import (
     rope_neox,
 )
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels_available(), reason=f"CPU kernels unavailable: {kernel_status()}"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not cpu_kernels_available(), reason=f"CPU kernels unavailable: {kernel_status()}"
+    ),
+    pytest.mark.usefixtures("each_kernel_variant"),
+]
 
 
 @pytest.mark.parametrize(("n", "k"), [(1000, 640), (1003, 600), (7, 2048), (64, 1100), (3, 16)])

@@ -9,9 +9,12 @@ from tiny_models import PARITY_ATOL, TinyModel, chunk
 from loom.kernels import cpu_kernels_available, kernel_status
 from loom.runner import ModelRunner, build_model
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels_available(), reason=f"CPU kernels unavailable: {kernel_status()}"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not cpu_kernels_available(), reason=f"CPU kernels unavailable: {kernel_status()}"
+    ),
+    pytest.mark.usefixtures("each_kernel_variant"),
+]
 
 LENGTHS = [11, 3, 17]  # three sequences; Gemma's sliding window (8) cuts two of them
 

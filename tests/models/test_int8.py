@@ -15,6 +15,9 @@ from loom.models.quant import (
 )
 from loom.runner import ModelRunner, build_model
 
+# The kernel paths run on every CPU kernel variant this host executes.
+pytestmark = pytest.mark.usefixtures("each_kernel_variant")
+
 
 def _prompt(n: int, seed: int, vocab: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
