@@ -32,6 +32,14 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
 
+    def reads_only_written_slots(self, dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> bool:
+        """Whether every read of the cache in this configuration stays inside the slots the
+        step's sequences have written. Then the pool need not be zeroed: it is left
+        unwritten (the OS maps pages as the K/V first touches them, so an unused pool costs
+        neither start-up time nor resident memory). Backends that gather whole blocks and
+        mask the rest read unwritten slots, which must hold finite values (zeros)."""
+        return False
+
     @abstractmethod
     def forward(
         self,
@@ -75,7 +83,10 @@ def allocate_kv_caches(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    zeroed: bool = True,
 ) -> list[torch.Tensor]:
-    """Allocate one zeroed [2, num_blocks, block_size, num_kv_heads, head_dim] cache per layer."""
+    """Allocate one [2, num_blocks, block_size, num_kv_heads, head_dim] cache per layer, zeroed
+    unless `zeroed=False` (for a backend that `reads_only_written_slots`)."""
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    make = torch.zeros if zeroed else torch.empty
+    return [make(shape, dtype=dtype, device=device) for _ in range(num_layers)]

@@ -33,6 +33,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
 
+    def reads_only_written_slots(self, dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> bool:
+        """True where decodes take the kernel (float32 queries, a cache dtype it reads): it
+        and the prefill path read exactly the positions [first visible, seq_len) of each
+        sequence (and so does the fused decoder, which runs only in this configuration)."""
+        return dtype == torch.float32 and kv_cache_dtype in KV_CACHE_KERNEL_DTYPES
+
     def _decode_rows(
         self,
         spec: AttentionSpec,

@@ -51,6 +51,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(
             model_config.num_layers, num_blocks, block_size,
             model_config.num_kv_heads, model_config.head_dim, self.kv_cache_dtype, self.device,
+            zeroed=not self.backend.reads_only_written_slots(dtype, self.kv_cache_dtype),
         )
         self.kv_connector: Any = None  # the worker half of a KV connector (loom.kv_connector)
 
