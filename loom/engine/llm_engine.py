@@ -250,11 +250,19 @@ class LLMEngine(SessionOps, TreeOps, TokenOps):
                 self.scheduler.park(seq.request, RequestStatus.PAUSED)
             touched[seq.group_id] = None
             row += chunk.num_logits
+        failed: dict[str, str] = {}
         if to_sample:
             if picked != list(range(logits.shape[0])):  # else every row, in order: no copy
                 logits = logits.index_select(0, torch.tensor(picked, device=logits.device))
-            self._sample_and_append(to_sample, logits, drafts)
-        return [self._group_output(rid) for rid in touched]
+            failed = self._sample_and_append(to_sample, logits, drafts)
+        # A session whose processor raised is paused (see _sample_and_append): report the
+        # error on its output; any other request fails.
+        ended = {g: e for g, e in failed.items() if not self._groups_are_sessions(g)}
+        outputs = [self._group_output(rid, failed.get(rid)) for rid in touched if rid not in ended]
+        return outputs + self._fail_groups(ended)
+
+    def _groups_are_sessions(self, group: str) -> bool:
+        return any(self._seqs[s].is_session for s in self._groups.get(group, ()))
 
     def _fail_reported(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
         """Fail the requests (their trees) that can never get the KV blocks they need, so
@@ -286,6 +294,11 @@ class LLMEngine(SessionOps, TreeOps, TokenOps):
                 f"free ({self.num_free_blocks} of {total}); the rest are held by pinned "
                 "sessions or blocked sequences"
             )
+        return self._fail_groups(errors)
+
+    def _fail_groups(self, errors: dict[str, str]) -> list[RequestOutput]:
+        """End every sequence of each group with finish_reason "error" (its blocks go back
+        to the pool) and report the group's error; other requests keep their state."""
         outputs = []
         for group, error in errors.items():
             if group not in self._groups:

@@ -129,7 +129,9 @@ class SessionOps:
         seq.start_segment(sampling_params, self.config.device)
         seq.request.sample_when_computed = True
         if seq.last_logits is not None:
-            self._sample_and_append([seq], seq.last_logits.unsqueeze(0))
+            failed = self._sample_and_append([seq], seq.last_logits.unsqueeze(0))
+            if failed:  # the segment ended at once; the session is as it was
+                raise InvalidRequestError(failed[seq.group_id])
         self.scheduler.wake(seq.request)
 
     def stop_generation(self: LLMEngine, request_id: str) -> bool:

@@ -31,8 +31,11 @@ class TokenOps:
         seqs: list[SequenceState],
         logits: torch.Tensor,
         drafts: list[list[int]] | None = None,
-    ) -> None:
-        """Sample each sequence's next token(s) and advance it.
+    ) -> dict[str, str]:
+        """Sample each sequence's next token(s) and advance it; returns the groups whose
+        logits processor raised (group id -> why). Those sequences take no token: a session's
+        segment ends (it stays paused, its logits kept for `resample` or another `resume`),
+        any other request is for the caller to fail.
 
         Sequence i owns 1 + len(drafts[i]) consecutive logits rows: the row after its last
         token, then one after each draft (speculative decoding, see `engine/speculation.py`).
@@ -54,9 +57,26 @@ class TokenOps:
             for s, d in zip(seqs, drafts, strict=True)
         ]
         result = self.sampler(logits, rows)
+        failed: dict[str, str] = {}
         first_row = 0
         for seq, draft, state in zip(seqs, drafts, saved, strict=True):
             num_rows = len(draft) + 1
+            error = next((result.row_errors[r] for r in range(first_row, first_row + num_rows)
+                          if r in result.row_errors), None)
+            if error is not None:
+                failed.setdefault(seq.group_id, f"a logits processor of request "
+                                  f"{seq.group_id!r} raised {type(error).__name__}: {error}")
+                if seq.is_session:
+                    if draft:
+                        seq.request.truncate(seq.request.num_tokens - len(draft))
+                        self.scheduler.truncate(seq.request, seq.request.num_tokens)
+                    seq.finish_reason = "error"
+                    self._end_segment(seq, RequestStatus.FINISHED_ABORTED)
+                    seq.last_logits = logits[first_row].clone()
+                    # Every token is computed (the step that produced these logits did it).
+                    self.scheduler.park(seq.request, RequestStatus.PAUSED)
+                first_row += num_rows
+                continue
             tokens = kept_tokens(result.token_ids[first_row : first_row + num_rows], draft)
             used = self._advance(seq, tokens, len(draft), logits, result, first_row)
             if draft and self.speculator is not None:
@@ -68,6 +88,7 @@ class TokenOps:
                 # Blocks that only held rejected drafts go back to the pool.
                 self.scheduler.truncate(seq.request, seq.request.num_tokens)
             first_row += num_rows
+        return failed
 
     def _advance(
         self: LLMEngine,

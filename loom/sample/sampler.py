@@ -20,7 +20,7 @@ race: it needs one random number per row instead of V.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -40,14 +40,20 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]] | None]
+    # Rows whose logits processor raised: row index -> the exception (their token is
+    # meaningless; the engine fails those requests and keeps the others).
+    row_errors: dict[int, Exception] = field(default_factory=dict)
 
 
-def process_logits(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
-    """Logits processors, min_tokens and penalties over [B, V] (float32; input not modified)."""
+def process_logits(
+    logits: Tensor, rows: Sequence[SamplingRow], errors: dict[int, Exception] | None = None
+) -> Tensor:
+    """Logits processors, min_tokens and penalties over [B, V] (float32; input not modified).
+    `errors`: see `apply_logits_processors`."""
     out = logits.float()
     if any(row.params.logits_processors for row in rows):
         out = out.clone() if out is logits else out
-        apply_logits_processors(out, rows)
+        apply_logits_processors(out, rows, errors)
     out = apply_min_tokens(out, rows)
     return apply_penalties(out, rows)
 
@@ -93,7 +99,8 @@ class Sampler:
                 f"sampler got logits of shape {tuple(logits.shape)} for {len(rows)} rows"
             )
         raw = logits.float()
-        processed = process_logits(raw, rows)
+        row_errors: dict[int, Exception] = {}
+        processed = process_logits(raw, rows, row_errors)
         if processed is raw and all(row.greedy for row in rows) and use_cpu_kernels(raw):
             # Greedy on untouched logits: argmax and the logprob normaliser in one read.
             tokens, lse = argmax_logsumexp(raw.contiguous())
@@ -127,7 +134,7 @@ class Sampler:
             top_logprobs[i] = [
                 (int(host[ids_at + start + m]), host[lps_at + start + m]) for m in range(want)
             ]
-        return SamplerOutput(token_ids, token_logprobs, top_logprobs)
+        return SamplerOutput(token_ids, token_logprobs, top_logprobs, row_errors)
 
 
 def _single_row(
