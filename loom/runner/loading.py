@@ -13,6 +13,7 @@ from loom.errors import InvalidModelError
 from loom.kernels import cpu_kernels_available
 from loom.loader import load_model_files, locate_model_files, resolve_model_path
 from loom.models.base import CausalLM
+from loom.models.block_embedding import BlockInt8Embedding
 from loom.models.config import ModelConfig
 from loom.models.layers import fuse_projections
 from loom.models.quant import quantize_model_int8
@@ -47,12 +48,14 @@ def build_model(
     if source.format == "gguf" and os.environ.get("LOOM_PREPARED_CACHE", "1") != "0":
         layout = "quad" if quantization == "w8a8" and cpu_kernels_available() else "rows"
         cache = prepared_path(source.path, dtype, quantization, layout)
-        stored_config = read_prepared_config(cache)
-        if stored_config is not None:
+        stored = read_prepared_config(cache)
+        if stored is not None:
+            stored_config, structure = stored
             model_cls, config = _architecture(stored_config)
+            compact = structure.get("embedding") == "int8-blocks"
             model = load_prepared(
                 cache, lambda: _prepare(_construct(model_cls, config, dtype, quantization),
-                                        dtype, quantization), device)
+                                        dtype, quantization, compact), device)
             if model is not None:
                 return config, _for_inference(model)
     hf_config, weights, _ = load_model_files(source.path, dtype=_load_dtype(dtype, quantization))
@@ -72,7 +75,9 @@ def build_model(
     model = _prepare(model, dtype, quantization)
     if cache is not None:
         try:
-            save_prepared(cache, model, hf_config)
+            embedding = model.model.embed_tokens
+            kind = "int8-blocks" if isinstance(embedding, BlockInt8Embedding) else "dense"
+            save_prepared(cache, model, hf_config, {"embedding": kind})
         except OSError as exc:  # a read-only or full cache only costs the next start time
             logger.warning("could not cache the prepared weights at %s: %s", cache, exc)
     return config, _for_inference(model)
@@ -99,16 +104,36 @@ def _construct(model_cls: type[CausalLM], config: ModelConfig, dtype: torch.dtyp
     return model
 
 
-def _prepare(model: CausalLM, dtype: torch.dtype, quantization: str | None) -> CausalLM:
-    """The steps after loading: stack projections, quantise, cast to the final dtype (also
-    run on the meta device to rebuild a cached model's structure)."""
+def _prepare(model: CausalLM, dtype: torch.dtype, quantization: str | None,
+             compact_embedding: bool | None = None) -> CausalLM:
+    """The steps after loading: stack projections, quantise, cast to the final dtype, compact
+    the embedding table (also run on the meta device to rebuild a cached model's structure,
+    with `compact_embedding` saying what the values decided)."""
     fuse_projections(model)
     if quantization is not None:
         quantize_model_int8(model, quantize_activations=quantization == "w8a8")
         for param in model.parameters():
             if param.dtype != dtype:
                 param.data = param.data.to(dtype)
+        _compact_embedding(model, compact_embedding)
     return model
+
+
+def _compact_embedding(model: CausalLM, decided: bool | None) -> None:
+    """In int8 modes the output projection holds its own int8 copy, so the embedding table
+    only serves lookups: keep it as int8 blocks where that is exact (a GGUF Q8_0 table:
+    671 MB -> 178 MB for the default model). `decided`: True/False when rebuilding a prepared
+    model's structure, None to check the values."""
+    embedding = model.model.embed_tokens
+    if not isinstance(embedding, torch.nn.Embedding) or decided is False:
+        return
+    if decided:
+        rows, dim = embedding.weight.shape
+        model.model.embed_tokens = BlockInt8Embedding(rows, dim, embedding.weight.dtype)
+        return
+    compact = BlockInt8Embedding.from_embedding(embedding)
+    if compact is not None:
+        model.model.embed_tokens = compact
 
 
 def _for_inference(model: CausalLM) -> CausalLM:

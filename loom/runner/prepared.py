@@ -34,7 +34,7 @@ from loom.models.base import CausalLM
 logger = logging.getLogger("loom")
 
 # Bump when what a prepared file holds changes (module tree, layouts, quantisation rules).
-FORMAT = "1"
+FORMAT = "2"
 # Prepared entries kept on disk (the least recently used beyond these are deleted).
 KEEP = 3
 
@@ -49,8 +49,11 @@ def prepared_path(source: Path, dtype: torch.dtype, quantization: str | None,
     return loom_cache_dir("prepared") / f"{source.stem}-{digest}.safetensors"
 
 
-def save_prepared(path: Path, model: CausalLM, hf_config: dict[str, Any]) -> None:
-    """Write the model's state (tied tensors once) and its config, atomically."""
+def save_prepared(path: Path, model: CausalLM, hf_config: dict[str, Any],
+                  structure: dict[str, Any]) -> None:
+    """Write the model's state (tied tensors once), its config and `structure` (the choices
+    that shaped the module tree from the weights' values, which a warm start cannot see),
+    atomically."""
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple[int, int], str] = {}
@@ -66,6 +69,7 @@ def save_prepared(path: Path, model: CausalLM, hf_config: dict[str, Any]) -> Non
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata={"hf_config": json.dumps(hf_config),
+                                          "structure": json.dumps(structure),
                                           "aliases": json.dumps(aliases)})
         os.replace(tmp, path)
     finally:
@@ -73,14 +77,15 @@ def save_prepared(path: Path, model: CausalLM, hf_config: dict[str, Any]) -> Non
     _prune(path.parent)
 
 
-def read_prepared_config(path: Path) -> dict[str, Any] | None:
-    """The HF config stored with a prepared file, or None when there is no usable entry."""
+def read_prepared_config(path: Path) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The HF config and the structure stored with a prepared file, or None when there is no
+    usable entry."""
     if not path.is_file():
         return None
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
-        return json.loads(meta["hf_config"])
+        return json.loads(meta["hf_config"]), json.loads(meta["structure"])
     except Exception as exc:  # a damaged entry: drop it, prepare afresh
         logger.warning("discarding unreadable prepared weights %s: %s", path, exc)
         path.unlink(missing_ok=True)
