@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-BENCHMARKS = ["latency", "throughput", "sessions", "hooks", "quality", "speculative", "prefix",
-              "kv_connector", "serving"]
+BENCHMARKS = ["startup", "latency", "throughput", "sessions", "hooks", "quality", "speculative",
+              "prefix", "kv_connector", "serving"]
 
 
 def main() -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,17 @@ def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tok
         )
     model_path = resolve_model_path(args.model)
     tokenizer_path = resolve_model_path(args.tokenizer) if args.tokenizer else model_path
+    # The tokenizer loads on a thread while the model loads here: parsing a large vocabulary
+    # (Gemma's 262,144 tokens and 514,906 merges: about 1.7 s) runs in Rust without the GIL.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-tokenizer") as pool:
+        tokenizer = pool.submit(load_tokenizer, tokenizer_path)
+        config, runner = _build_model_parts(args, model_path, tokenizer_path)
+        return config, runner, tokenizer.result()
+
+
+def _build_model_parts(
+    args: EngineArgs, model_path: Path, tokenizer_path: Path
+) -> tuple[EngineConfig, ModelRunner]:
     device = resolve_device(args.device)
     mode, mode_summary = resolve_mode(args, model_path, device)
     dtype, kv_dtype = mode.dtype, mode.kv_cache_dtype
@@ -153,6 +165,5 @@ def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tok
     if kv_transfer is not None:
         worker = create_connector(kv_transfer, config.kv_cache_spec, KVConnectorRole.WORKER)
         runner.attach_kv_connector(worker)
-    tokenizer = load_tokenizer(tokenizer_path)
     logger.info("loaded %s (%s)", args.model, mode_summary)
-    return config, runner, tokenizer
+    return config, runner
