@@ -15,6 +15,9 @@ the host can do (`HostInfo`), so its rules are tested on any machine. The rules:
   slower on AVX2 ones), else float32.
 - `kv_cache_dtype="auto"`: float16 when "auto" chose w8a8 (decode attention reads half the
   bytes; quality measured in `bench_quality.py`), else the model dtype.
+- Compute-bound calls of int8 layers (prefill chunks, large batches) multiply in bfloat16
+  where the CPU has native bf16 (AVX-512 BF16, AMX: oneDNN's bf16 matmul) and it measures at
+  least `BF16_MIN_SPEEDUP` faster than float32; small calls (decode) keep the int8 kernels.
 """
 
 from __future__ import annotations
@@ -61,6 +64,12 @@ class HostInfo:
             return "avx2"
         return "baseline"
 
+    @property
+    def native_bf16(self) -> bool:
+        """The CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX); elsewhere bf16 matmuls
+        are emulated and never measured faster."""
+        return bool({"avx512_bf16", "amx_bf16"} & self.cpu_flags)
+
     @classmethod
     def detect(cls, device: str) -> HostInfo:
         """Probe this machine (the bf16 timing is left to `bf16_ratio`, run at most once per
@@ -84,10 +93,15 @@ class ExecutionMode:
     dtype: str
     quantization: str | None
     kv_cache_dtype: str
+    # The dtype int8 layers multiply in for calls of many rows (prefill chunks, large
+    # batches: compute-bound, see loom.models.quant); None: the model dtype.
+    large_batch_dtype: str | None = None
 
     def describe(self, host: HostInfo) -> str:
         """e.g. 'w8a8, kv float16, cpu avx2' or 'bfloat16, cuda'."""
         weights = self.quantization or self.dtype
+        if self.large_batch_dtype is not None:
+            weights += f", prefill {self.large_batch_dtype}"
         where = f"cpu {host.cpu_isa}" if host.device == "cpu" else host.device
         return f"{weights}, kv {self.kv_cache_dtype}, {where}"
 
@@ -132,7 +146,12 @@ def choose_mode(
     kv = normalize_dtype(kv_cache_dtype)
     if kv == "auto":
         kv = "float16" if auto_quant and quant == "w8a8" else dtype
-    return ExecutionMode(dtype=dtype, quantization=quant, kv_cache_dtype=kv)
+    large = None
+    if (quant is not None and on_cpu and dtype == "float32" and host.native_bf16
+            and host.bf16_ratio() >= BF16_MIN_SPEEDUP):
+        large = "bfloat16"
+    return ExecutionMode(dtype=dtype, quantization=quant, kv_cache_dtype=kv,
+                         large_batch_dtype=large)
 
 
 @functools.cache

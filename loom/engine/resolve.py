@@ -30,6 +30,7 @@ from loom.kv_connector import (
 from loom.kv_connector.factory import connector_class
 from loom.loader import weights_are_quantized
 from loom.loader.resolve import resolve_model_path
+from loom.models.quant import set_large_batch_dtype
 from loom.runner.loading import build_model
 from loom.runner.model_runner import ModelRunner, kv_cache_bytes_per_block
 from loom.spec_decode import SpeculativeConfig
@@ -115,6 +116,8 @@ def _build_model_parts(
     model_config, model = build_model(
         model_path, torch_dtype(dtype), torch.device(device), mode.quantization
     )
+    if mode.large_batch_dtype is not None:
+        set_large_batch_dtype(model, torch_dtype(mode.large_batch_dtype))
     if args.num_kv_blocks is not None:
         num_blocks = args.num_kv_blocks
     else:

@@ -91,6 +91,9 @@ class Int8Linear(nn.Module):
             w_q = to_quad_layout(w_int8) if quad else w_int8
             scales_f32 = scales.float()
             bias_f32 = None if bias is None else bias.detach().float().clone()
+        # What calls of at least DEQUANTIZE_MIN_ROWS rows multiply in (float32 inputs only):
+        # bfloat16 where the host's bf16 matmul is faster (`set_large_batch_dtype`).
+        self.large_batch_dtype = torch.float32
         self.register_buffer("weight_q", w_q)
         self.register_buffer("scales", scales)  # bfloat16, the kernel's activation dtype
         self.register_buffer("scales_f32", scales_f32)  # the same values, for loom.kernels
@@ -125,8 +128,9 @@ class Int8Linear(nn.Module):
             xf = x.reshape(rows, self.in_features)
             if self.quantize_activations:
                 xf = round_activations_q8(xf.float())
-            weight = self.dequantized_weight().to(x.dtype)
-            y = torch.nn.functional.linear(xf.to(x.dtype), weight)
+            compute = self.large_batch_dtype if x.dtype == torch.float32 else x.dtype
+            weight = self.dequantized_weight().to(compute)
+            y = torch.nn.functional.linear(xf.to(compute), weight).to(x.dtype)
         else:
             scales = self.scales.to(torch.bfloat16)  # no-op unless the module was cast
             w_int8 = self.row_major_int8()
@@ -135,6 +139,13 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.view(*lead, self.out_features)
+
+
+def set_large_batch_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Make every int8 layer of `model` multiply calls of many rows in `dtype`."""
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            module.large_batch_dtype = dtype
 
 
 def quantize_model_int8(model: nn.Module, quantize_activations: bool = False) -> nn.Module:

@@ -12,6 +12,7 @@ from loom.models.quant import (
     KERNEL_MAX_ROWS,
     Int8Linear,
     quantize_weight_int8,
+    set_large_batch_dtype,
 )
 from loom.runner import ModelRunner, build_model
 
@@ -101,3 +102,24 @@ def test_w8a8_rounds_activations_only_in_the_kernel() -> None:
         if cpu_kernels_available():
             assert not torch.equal(rounded(x), exact(x))
     assert not Int8Linear(torch.randn(8, 40), None, True).quantize_activations  # K % 32 != 0
+
+
+def test_large_batches_multiply_in_bf16_when_asked_and_stay_close() -> None:
+    """`set_large_batch_dtype(bfloat16)` (hosts with native bf16): calls of many rows
+    multiply in bf16 with the same weights and activation rounding; small calls keep the
+    kernels. The result stays within bf16 rounding of the float32 path."""
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(256, 96, bias=True)
+    layer = Int8Linear(lin.weight, lin.bias, True)
+    x = torch.randn(KERNEL_MAX_ROWS + 16, 256)
+    with torch.inference_mode():
+        float_path = layer(x)
+        small = layer(x[:3])
+        model = torch.nn.Sequential(layer)
+        set_large_batch_dtype(model, torch.bfloat16)
+        bf16_path = layer(x)
+        assert bf16_path.dtype == torch.float32
+        assert not torch.equal(bf16_path, float_path)  # it did multiply in bf16
+        scale = float_path.abs().max()
+        torch.testing.assert_close(bf16_path, float_path, atol=float(scale) * 2**-7, rtol=0)
+        assert torch.equal(layer(x[:3]), small)  # decode-sized calls are unchanged
