@@ -155,17 +155,17 @@ def main() -> None:
 
     results: dict[str, dict[str, Any]] = {}
     skipped: list[str] = []
-    for label, make in runners:
+    for name, make in runners:
         run = make()
         if run is None:
-            skipped.append(label)
+            skipped.append(name)
             continue
-        results[label] = {}
+        results[name] = {}
         for n, prompt in prompts.items():
-            c.log(f"{label}: prompt {n}, {max_tokens} tokens, {repeats} repeat(s)")
-            results[label][str(n)] = measure(run, prompt, max_tokens, repeats)
+            c.log(f"{name}: prompt {n}, {max_tokens} tokens, {repeats} repeat(s)")
+            results[name][str(n)] = measure(run, prompt, max_tokens, repeats)
         del run
-    base = f"loom {dtype}"
+    base = runners[0][0]  # Loom as the arguments ask (the engine's default mode unless told)
     ratios = {
         peer: {
             n: {
@@ -180,7 +180,8 @@ def main() -> None:
         if peer != base
     }
     sizes = f"prompts {prompt_lens} tokens, {max_tokens} generated, median of {repeats}"
-    result = c.header(NAME, args, dtype=dtype, sizes_note=sizes, prompt_lens=prompt_lens,
+    result = c.header(NAME, args, dtype=dtype, base=base, sizes_note=sizes,
+                      prompt_lens=prompt_lens,
                       max_tokens=max_tokens, repeats=repeats, results=results, ratios=ratios,
                       skipped=skipped)
     c.finish(NAME, TITLE, result, render, args.no_doc)
@@ -203,7 +204,7 @@ def _llama(args: Any, n_ctx: int) -> Runner | None:
 
 def render(result: dict[str, Any]) -> str:
     """The doc section's body: one row per engine and prompt length."""
-    base = f"loom {result['dtype']}"
+    base = result.get("base", f"loom {result['dtype']}")
     rows = []
     for label, per_len in result["results"].items():
         for n, r in per_len.items():
