@@ -123,4 +123,5 @@ def test_fused_decode_follows_a_new_runners_caches(tiny_model: TinyModel) -> Non
     for e, g in zip(expected, got, strict=True):
         assert torch.equal(e, g)
     for before, cache in zip(snapshot, first.kv_caches, strict=True):
-        assert torch.equal(before, cache)
+        # Bit for bit: slots never written hold whatever the allocator gave (NaN included).
+        assert torch.equal(before.view(torch.int32), cache.view(torch.int32))
