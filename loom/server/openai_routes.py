@@ -225,6 +225,10 @@ async def create_completion(body: CompletionRequest, request: Request,
                                if body.logprobs is not None else None,
                                "finish_reason": comp.finish_reason if finished else None,
                                "stop_reason": comp.stop_reason if finished else None}]})
+        trees = [request_tree(last[i]) if i in last else [] for i in range(len(streams))]
+        if any(trees):  # `<promise>` children, once every choice has finished
+            yield sse({"id": cid, "object": "text_completion", "created": created,
+                       "model": body.model, "choices": [], "children": trees})
         if include_usage:
             total = [usage(o) for o in last.values()]
             yield sse({"id": cid, "object": "text_completion", "created": created,
@@ -284,6 +288,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                               "logprobs": chat_logprobs(comp, decode, top_n, first)
                               if body.logprobs else None,
                               "finish_reason": comp.finish_reason if finished else None}])
+        if last is not None and last.children:  # `<promise>` children, after the text
+            yield chunk([], children=request_tree(last))
         if include_usage and last is not None:
             yield chunk([], usage=usage(last))
 

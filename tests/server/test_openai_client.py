@@ -4,6 +4,7 @@ equal to the same session run through the engine."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -247,4 +248,14 @@ def test_promise_children_come_back_in_the_response(tiny_models):
             "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0.0}).json()
         assert body["choices"][0]["text"] == expected.outputs[0].text
         assert _http_tree(body["children"][0]) == _tree_of(expected)
+        # Streamed, the tree comes in one chunk after the text.
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0.0,
+                "stream": True}) as response:
+            events = [json.loads(line[6:]) for line in response.iter_lines()
+                      if line.startswith("data: {")]
+        trees = [e["children"] for e in events if "children" in e]
+        assert len(trees) == 1 and _http_tree(trees[0][0]) == _tree_of(expected)
+        assert "".join(c["text"] for e in events for c in e["choices"]) == (
+            expected.outputs[0].text)
         assert server.llm_engine.kv_pool_all_free
