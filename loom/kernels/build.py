@@ -63,6 +63,7 @@ VARIANT_ENV = "LOOM_CPU_KERNEL_VARIANT"
 
 
 def variant_named(name: str) -> KernelVariant:
+    """The variant called `name` (ValueError for an unknown name)."""
     for variant in VARIANTS:
         if variant.name == name:
             return variant
@@ -76,6 +77,7 @@ def runnable_variants(flags: frozenset[str] | None = None) -> list[str]:
     widest first."""
     flags = cpu_flags() if flags is None else flags
     return [v.name for v in VARIANTS if v.cpu_features <= flags]
+
 
 _i64, _f32 = ctypes.c_int64, ctypes.c_float
 _ptr = ctypes.c_void_p
@@ -97,6 +99,7 @@ SIGNATURES: dict[str, list[type]] = {
 # Functions that return a value (the others return void).
 RESTYPES: dict[str, type] = {"loom_attention_scratch_floats": _i64}
 
+
 @dataclass
 class _Loaded:
     """The outcome of one build-and-load attempt (one per variant and process)."""
@@ -110,20 +113,21 @@ _loaded: dict[str | None, _Loaded] = {}
 _active: str | None = None  # set by `use_variant`; None: the default choice
 
 
-def _default_variant() -> tuple[str | None, str | None]:
-    """(variant name, None), or (None, why no variant runs here)."""
+def _default_variants() -> tuple[list[str], str | None]:
+    """The variants to try in order (the first that builds is used), or ([], why none can
+    run here)."""
     runnable = runnable_variants()
     requested = os.environ.get(VARIANT_ENV)
     if requested:
         if requested not in {v.name for v in VARIANTS}:
             known = ", ".join(v.name for v in VARIANTS)
-            return None, f"{VARIANT_ENV}={requested} names no variant (known: {known})"
+            return [], f"{VARIANT_ENV}={requested} names no variant (known: {known})"
         if requested not in runnable:
-            return None, f"{VARIANT_ENV}={requested} needs CPU features this host lacks"
-        return requested, None
+            return [], f"{VARIANT_ENV}={requested} needs CPU features this host lacks"
+        return [requested], None
     if not runnable:
-        return None, "the CPU lacks AVX2, FMA or F16C"
-    return runnable[0], None
+        return [], "the CPU lacks AVX2, FMA or F16C"
+    return runnable, None
 
 
 def _compiler() -> str | None:
@@ -163,15 +167,27 @@ def _build(compiler: str, variant: KernelVariant) -> Path:
 
 
 def _try_load(name: str | None) -> _Loaded:
-    """Build and load variant `name` (None: the default choice for this host)."""
+    """Build and load variant `name`; None: the widest this host runs, falling back to a
+    narrower one when a build fails (a compiler without AVX-512 support, say)."""
     if os.environ.get("LOOM_CPU_KERNELS", "1") == "0":
         return _Loaded(None, "disabled by LOOM_CPU_KERNELS=0", None)
-    if name is None:
-        name, unsupported = _default_variant()
-        if name is None:
-            return _Loaded(None, unsupported, None)
-    elif name not in runnable_variants():
-        return _Loaded(None, f"this CPU cannot run the {name} kernels", name)
+    if name is not None:
+        if name not in runnable_variants():
+            return _Loaded(None, f"this CPU cannot run the {name} kernels", name)
+        return _load_variant(name)
+    names, unsupported = _default_variants()
+    if not names:
+        return _Loaded(None, unsupported, None)
+    failures = []
+    for candidate in names:
+        loaded = _load_variant(candidate)
+        if loaded.lib is not None:
+            return loaded
+        failures.append(f"{candidate}: {loaded.reason}")
+    return _Loaded(None, "; ".join(failures), names[-1])
+
+
+def _load_variant(name: str) -> _Loaded:
     compiler = _compiler()
     if compiler is None:
         return _Loaded(None, "no C compiler (cc, gcc or clang) on PATH", name)

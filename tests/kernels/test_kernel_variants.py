@@ -69,3 +69,29 @@ def test_every_variant_compiles_here_with_its_own_instructions(variant: str) -> 
     ).stdout
     assert ("vpdpbusd" in listing) == (variant == "avx512-vnni")
     assert "vpmaddubsw" in listing or variant == "avx512-vnni"
+
+
+@pytest.mark.skipif("avx2" not in runnable_variants(), reason="this CPU cannot run AVX2")
+def test_a_variant_that_fails_to_build_falls_back_to_the_next(monkeypatch) -> None:
+    """A compiler without AVX-512 support must not leave an AVX-512 host without kernels."""
+    real_build = build._build
+
+    def failing_wide_build(compiler, variant):
+        if variant.name == "avx512-vnni":
+            raise RuntimeError("cc: error: unrecognized command-line option '-mavx512vnni'")
+        return real_build(compiler, variant)
+
+    monkeypatch.delenv(build.VARIANT_ENV, raising=False)
+    monkeypatch.setattr(build, "runnable_variants", lambda flags=None: ["avx512-vnni", "avx2"])
+    monkeypatch.setattr(build, "_build", failing_wide_build)
+    loaded = build._try_load(None)
+    assert loaded.lib is not None and loaded.variant == "avx2"
+
+    def failing_build(compiler, variant):
+        raise RuntimeError(f"no {variant.name}")
+
+    monkeypatch.setattr(build, "_build", failing_build)
+    failed = build._try_load(None)
+    assert failed.lib is None
+    assert failed.reason == ("avx512-vnni: build or load failed: no avx512-vnni; "
+                             "avx2: build or load failed: no avx2")
