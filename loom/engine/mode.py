@@ -8,16 +8,18 @@ the host can do (`HostInfo`), so its rules are tested on any machine. The rules:
   fused decode reads int8 weights once per step: about 3x float32 decode); everywhere else,
   and for float checkpoints, the weights' own dtype (no quantization). `None` (or "none")
   always gives exact dequantised float weights.
-- `dtype="auto"`: with int8 weights on the CPU kernels, float32 (the kernels take float32
-  activations and their fused decode needs them); on CUDA bfloat16 (float16 without bf16);
-  on a CPU, bfloat16 only when a bf16 matmul measures faster than float32 here
-  (`measure_bf16_speedup`: native on AVX-512 BF16 / AMX hosts, emulated and several times
-  slower on AVX2 ones), else float32.
+- `dtype="auto"`: on a CPU with the kernels, float32 (their fused decode takes float32
+  activations: on an AVX-512 BF16 host it decoded 33 tok/s where a bf16 model managed 19-25);
+  on CUDA bfloat16 (float16 without bf16); on a CPU without the kernels, bfloat16 only when
+  a bf16 matmul measures faster than float32 here (`measure_bf16_speedup`: native on AVX-512
+  BF16 / AMX hosts, emulated and several times slower on AVX2 ones), else float32.
 - `kv_cache_dtype="auto"`: float16 when "auto" chose w8a8 (decode attention reads half the
   bytes; quality measured in `bench_quality.py`), else the model dtype.
-- Compute-bound calls of int8 layers (prefill chunks, large batches) multiply in bfloat16
-  where the CPU has native bf16 (AVX-512 BF16, AMX: oneDNN's bf16 matmul) and it measures at
-  least `BF16_MIN_SPEEDUP` faster than float32; small calls (decode) keep the int8 kernels.
+- With `dtype="auto"` on the kernels, compute-bound calls of the decoder layers (prefill
+  chunks, large batches; int8 or float weights) multiply in bfloat16 where the CPU has native
+  bf16 (AVX-512 BF16, AMX: oneDNN's bf16 matmul) and it measures at least
+  `BF16_MIN_SPEEDUP` faster than float32 (`large_batch_dtype`); small calls (decode) keep the
+  float32 / int8 kernels. An explicit dtype computes every call in that dtype.
 """
 
 from __future__ import annotations
@@ -136,18 +138,19 @@ def choose_mode(
     if auto_quant:
         quant = "w8a8" if weights_quantized and on_cpu and host.cpu_kernels else None
     dtype = normalize_dtype(dtype)
-    if dtype == "auto":
+    auto_dtype = dtype == "auto"
+    if auto_dtype:
         if not on_cpu:
             dtype = "bfloat16" if host.cuda_bf16 else "float16"
-        elif quant is not None and host.cpu_kernels:
-            dtype = "float32"
+        elif host.cpu_kernels:
+            dtype = "float32"  # the fused decode needs float32; prefill may still use bf16
         else:
             dtype = "bfloat16" if host.bf16_ratio() >= BF16_MIN_SPEEDUP else "float32"
     kv = normalize_dtype(kv_cache_dtype)
     if kv == "auto":
         kv = "float16" if auto_quant and quant == "w8a8" else dtype
     large = None
-    if (quant is not None and on_cpu and dtype == "float32" and host.native_bf16
+    if (auto_dtype and on_cpu and host.cpu_kernels and dtype == "float32" and host.native_bf16
             and host.bf16_ratio() >= BF16_MIN_SPEEDUP):
         large = "bfloat16"
     return ExecutionMode(dtype=dtype, quantization=quant, kv_cache_dtype=kv,

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from loom.kernels import cpu_kernels_available, linear_w8, use_cpu_kernels
+from loom.models.layers import Linear
 
 
 def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,10 +143,16 @@ class Int8Linear(nn.Module):
 
 
 def set_large_batch_dtype(model: nn.Module, dtype: torch.dtype) -> None:
-    """Make every int8 layer of `model` multiply calls of many rows in `dtype`."""
-    for module in model.modules():
+    """Make the linear layers of `model`'s decoder layers (all of `model` when it has none)
+    multiply float32 calls of many rows in `dtype`. The output projection keeps its dtype:
+    it sees only the rows that need logits, and a bf16 copy of a large vocabulary's weight
+    would cost hundreds of MB."""
+    layers = model.model.layers if isinstance(getattr(model, "model", None), nn.Module) else model
+    for module in layers.modules():
         if isinstance(module, Int8Linear):
             module.large_batch_dtype = dtype
+        elif isinstance(module, Linear) and module.weight.dtype == torch.float32:
+            module.set_large_batch_dtype(dtype)
 
 
 def quantize_model_int8(model: nn.Module, quantize_activations: bool = False) -> nn.Module:

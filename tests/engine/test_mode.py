@@ -39,22 +39,32 @@ def test_prefill_in_bf16_needs_native_bf16_and_a_measured_speedup() -> None:
     # An AVX2 host never takes bf16, whatever a (noisy) probe said: it is emulated there.
     lucky = HostInfo("cpu", AVX2.cpu_flags, cpu_kernels=True, bf16_speedup=3.0)
     assert auto(True, lucky).large_batch_dtype is None
-    # Exact float weights, or a bf16 model, keep their dtype for every call.
-    assert choose_mode("auto", None, "auto", True, AMX).large_batch_dtype is None
+    # An explicit dtype computes every call in it; "auto" lets prefill take bf16, with int8
+    # or exact float weights alike.
     assert choose_mode("bfloat16", "int8", "auto", True, AMX).large_batch_dtype is None
+    assert choose_mode("float32", "int8", "auto", True, AMX).large_batch_dtype is None
+    assert choose_mode("float32", None, "auto", True, AMX).large_batch_dtype is None
     assert choose_mode("auto", "int8", "auto", True, AMX).large_batch_dtype == "bfloat16"
+    assert choose_mode("auto", None, "auto", True, AMX) == ExecutionMode(
+        "float32", None, "float32", "bfloat16")
 
 
 def test_float_checkpoints_keep_their_weights_and_pick_the_measured_faster_dtype() -> None:
+    # On the kernels: float32 weights (the fused decode), prefill in bf16 where it is native
+    # and measured faster.
     assert auto(False, AVX2) == ExecutionMode("float32", None, "float32")
-    assert auto(False, AVX512_BF16) == ExecutionMode("bfloat16", None, "bfloat16")
-    assert auto(False, AMX) == ExecutionMode("bfloat16", None, "bfloat16")
+    assert auto(False, AVX512_BF16) == ExecutionMode("float32", None, "float32", "bfloat16")
+    assert auto(False, AMX) == ExecutionMode("float32", None, "float32", "bfloat16")
+    # Without the kernels the whole model takes the measured faster dtype.
+    no_kernels_amx = HostInfo("cpu", AMX.cpu_flags, cpu_kernels=False, bf16_speedup=3.0)
+    assert auto(False, no_kernels_amx) == ExecutionMode("bfloat16", None, "bfloat16")
 
 
 def test_bf16_flags_alone_do_not_pick_bf16_when_it_measured_slower() -> None:
-    slow = HostInfo("cpu", AVX512_BF16.cpu_flags, cpu_kernels=True,
-                    bf16_speedup=BF16_MIN_SPEEDUP - 0.01)
-    assert auto(False, slow).dtype == "float32"
+    for kernels in (True, False):
+        slow = HostInfo("cpu", AVX512_BF16.cpu_flags, cpu_kernels=kernels,
+                        bf16_speedup=BF16_MIN_SPEEDUP - 0.01)
+        assert auto(False, slow) == ExecutionMode("float32", None, "float32")
 
 
 def test_without_the_cpu_kernels_quantized_weights_run_dequantised() -> None:
@@ -93,7 +103,7 @@ def test_the_startup_description_names_mode_kv_and_isa() -> None:
     assert auto(True, AVX2).describe(AVX2) == "w8a8, kv float16, cpu avx2"
     assert auto(True, AVX512_BF16).describe(AVX512_BF16) == (
         "w8a8, prefill bfloat16, kv float16, cpu avx512-bf16")
-    assert auto(False, AMX).describe(AMX) == "bfloat16, kv bfloat16, cpu amx"
+    assert auto(False, AMX).describe(AMX) == "float32, prefill bfloat16, kv float32, cpu amx"
     assert auto(True, CUDA).describe(CUDA) == "bfloat16, kv bfloat16, cuda"
     assert HostInfo("cpu").cpu_isa == "baseline"
 

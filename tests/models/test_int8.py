@@ -7,6 +7,7 @@ import torch
 from tiny_models import TinyModel, chunk
 
 from loom.kernels import cpu_kernels_available
+from loom.models.layers import LARGE_BATCH_ROWS, Linear
 from loom.models.quant import (
     DEQUANTIZE_MIN_ROWS,
     KERNEL_MAX_ROWS,
@@ -123,3 +124,21 @@ def test_large_batches_multiply_in_bf16_when_asked_and_stay_close() -> None:
         scale = float_path.abs().max()
         torch.testing.assert_close(bf16_path, float_path, atol=float(scale) * 2**-7, rtol=0)
         assert torch.equal(layer(x[:3]), small)  # decode-sized calls are unchanged
+
+
+def test_float_layers_multiply_large_batches_in_bf16_from_a_kept_copy() -> None:
+    """Float checkpoints on native-bf16 hosts: float32 weights for decode (the kernels), a
+    bf16 copy (not saved with the state) for calls of many rows."""
+    torch.manual_seed(4)
+    layer = Linear(128, 64, bias=True)
+    x = torch.randn(LARGE_BATCH_ROWS + 5, 128)
+    with torch.inference_mode():
+        float_path, small = layer(x), layer(x[:2])
+        set_large_batch_dtype(torch.nn.Sequential(layer), torch.bfloat16)
+        assert layer.weight_large_batch.dtype == torch.bfloat16
+        assert "weight_large_batch" not in layer.state_dict()
+        bf16_path = layer(x)
+        assert bf16_path.dtype == torch.float32 and not torch.equal(bf16_path, float_path)
+        scale = float(float_path.abs().max())
+        torch.testing.assert_close(bf16_path, float_path, atol=scale * 2**-7, rtol=0)
+        assert torch.equal(layer(x[:2]), small)  # decode-sized calls are unchanged
