@@ -95,8 +95,8 @@ class ExecutionMode:
     dtype: str
     quantization: str | None
     kv_cache_dtype: str
-    # The dtype int8 layers multiply in for calls of many rows (prefill chunks, large
-    # batches: compute-bound, see loom.models.quant); None: the model dtype.
+    # The dtype the decoder layers multiply in for calls of many rows (prefill chunks, large
+    # batches: compute-bound; see `set_large_batch_dtype`); None: the model dtype.
     large_batch_dtype: str | None = None
 
     def describe(self, host: HostInfo) -> str:
