@@ -1,10 +1,13 @@
-"""Quality of the quantised modes against float32 on the same weights (decode path).
+"""Quality of the quantised modes against float32 on the same weights.
 
-For each mode (float32, then every `--modes` entry) the same fixed text is fed one token per
-step, exactly as decoding does, and we record the perplexity of the text and how often the
-mode's top-1 next token equals float32's (teacher-forced agreement). Then every prompt of a
-fixed set is continued greedily and we count the share of generated tokens identical to
-float32's at the same position, and how many tokens stay identical before the first change.
+For each mode (float32, then every `--modes` entry) the same fixed text (four paragraphs of
+different kinds, about 450 tokens) is fed one token per step, exactly as decoding does, and
+we record the perplexity of the text and how often the mode's top-1 next token equals
+float32's (teacher-forced agreement). The text is also computed as one prompt (the prefill
+path: large matmuls, in bf16 on hosts where the mode chooses it) for a second perplexity.
+Then every prompt of a fixed set is continued greedily and we count the share of generated
+tokens identical to float32's at the same position, and how many tokens stay identical
+before the first change.
 """
 
 from __future__ import annotations
@@ -25,7 +28,25 @@ TEXT = (
     "noon the market was full: farmers argued about the price of apples, a musician played "
     "the same three songs for coins, and the smell of roasted chestnuts drifted between the "
     "stalls. In the evening the lamps came on one by one, the boats returned with empty nets, "
-    "and the town settled into the quiet rhythm it had known for a hundred years."
+    "and the town settled into the quiet rhythm it had known for a hundred years.\n\n"
+    "To replace a bicycle tyre, first release the brake and open the quick-release lever so "
+    "the wheel drops out of the frame. Push the valve up into the tyre, then work two tyre "
+    "levers under the bead about a hand's width apart and lift one side of the tyre over the "
+    "rim. Pull out the old tube, run your fingers carefully around the inside of the tyre to "
+    "find whatever caused the puncture, and remove it. Put a little air into the new tube so "
+    "it holds its shape, fit the valve through the rim, tuck the tube in, and roll the bead "
+    "back on with your thumbs rather than the levers.\n\n"
+    "Dear Ms Patel, thank you for your letter of 3 March about the delayed delivery of your "
+    "order. I am sorry that the parcel arrived two weeks late and that one of the chairs was "
+    "damaged. We have arranged for a courier to collect the damaged chair on Thursday morning "
+    "and a replacement will be sent the same day. As an apology we have refunded the delivery "
+    "charge to your card. Please let me know if there is anything else we can do.\n\n"
+    "def median(values):\n"
+    "    ordered = sorted(values)\n"
+    "    middle = len(ordered) // 2\n"
+    "    if len(ordered) % 2 == 1:\n"
+    "        return ordered[middle]\n"
+    "    return (ordered[middle - 1] + ordered[middle]) / 2\n"
 )
 PROMPTS = [
     "Once upon a time",
@@ -56,6 +77,26 @@ def teacher_forced_logits(engine: Any, ids: list[int]) -> torch.Tensor:
     return torch.stack(rows)
 
 
+def prefill_logits(engine: Any, ids: list[int]) -> torch.Tensor:
+    """Logits [len(ids), V] of one forward pass over the whole text (the prefill path)."""
+    from loom.attention import forward_context
+    from loom.core.scheduler_output import ScheduledChunk
+
+    runner = engine.runner
+    blocks = list(range(-(-len(ids) // runner.block_size)))
+    metadata = runner.build_metadata([ScheduledChunk("quality", ids, 0, blocks, True)])
+    with torch.inference_mode(), forward_context(metadata, runner.kv_caches, runner.backend):
+        hidden = runner.model(torch.tensor(ids), metadata.positions)
+        return runner.model.compute_logits(hidden)
+
+
+def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
+    """exp of the mean negative log-likelihood of ids[1:] under logits[:-1]."""
+    logprobs = torch.log_softmax(logits[:-1].double(), dim=-1)
+    nll = -logprobs.gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
+    return round(math.exp(nll), 4)
+
+
 def greedy(engine: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy continuations (EOS ignored) of every prompt."""
     from loom import SamplingParams
@@ -75,13 +116,12 @@ def evaluate(engine: Any, text_ids: list[int], prompts: list[list[int]], max_tok
              ref: dict[str, Any] | None) -> dict[str, Any]:
     """Perplexity and top-1 of the text; greedy continuations; agreement with `ref`."""
     logits = teacher_forced_logits(engine, text_ids)
-    logprobs = torch.log_softmax(logits[:-1].double(), dim=-1)
-    targets = torch.tensor(text_ids[1:])
-    nll = -logprobs.gather(1, targets[:, None]).mean().item()
     top1 = logits[:-1].argmax(-1)
     outs = greedy(engine, prompts, max_tokens)
-    row: dict[str, Any] = {"perplexity": round(math.exp(nll), 4), "top1": top1.tolist(),
-                           "greedy": outs}
+    row: dict[str, Any] = {"perplexity": perplexity(logits, text_ids),
+                           "perplexity_prefill": perplexity(prefill_logits(engine, text_ids),
+                                                            text_ids),
+                           "top1": top1.tolist(), "greedy": outs}
     if ref is not None:
         row["top1_agreement"] = round((top1 == torch.tensor(ref["top1"])).float().mean().item(), 4)
         same = sum(a == b for o, r in zip(outs, ref["greedy"], strict=True)
@@ -133,11 +173,12 @@ def render(result: dict[str, Any]) -> str:
     """One row per mode: perplexity, agreement with float32."""
     rows = []
     for mode, r in result["results"].items():
-        rows.append([mode, r["perplexity"], r.get("top1_agreement"),
+        rows.append([mode, r["perplexity"], r.get("perplexity_prefill"), r.get("top1_agreement"),
                      r.get("greedy_identical_share"),
                      " ".join(str(n) for n in r.get("tokens_before_first_change", [])) or None])
     table = c.markdown_table(
-        ["mode", "perplexity", "top-1 = float32 (teacher-forced)",
+        ["mode", "perplexity (decode path)", "perplexity (prefill path)",
+         "top-1 = float32 (teacher-forced)",
          "greedy tokens identical", "tokens before first change (per prompt)"],
         rows,
     )
