@@ -68,6 +68,7 @@ def test_every_variant_compiles_here_with_its_own_instructions(variant: str) -> 
         check=True,
     ).stdout
     assert ("vpdpbusd" in listing) == (variant == "avx512-vnni")
+    assert "zmm" not in listing  # 256-bit vectors only (no 512-bit clock penalty)
     assert "vpmaddubsw" in listing or variant == "avx512-vnni"
 
 
