@@ -34,20 +34,18 @@ def apply_logits_processors(
     """Runs each row's `params.logits_processors` in order over its row, in place.
 
     With `errors`, an exception from a row's processor is recorded there under the row's
-    index (that row keeps its logits as they were, the other rows go on); without, it
-    propagates."""
+    index and the other rows go on (that row may be left half-processed: the caller restores
+    it); without, it propagates."""
     for i, row in enumerate(rows):
-        before = logits[i].clone() if errors is not None and row.params.logits_processors else None
         try:
             for proc in row.params.logits_processors or ():
                 out = _call_processor(proc, row, logits[i])
                 if out.data_ptr() != logits[i].data_ptr():  # returned a new tensor, not the view
                     logits[i] = out
         except Exception as exc:
-            if errors is None or before is None:
+            if errors is None:
                 raise
             errors[i] = exc
-            logits[i] = before
 
 
 def apply_min_tokens(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:

@@ -54,6 +54,8 @@ def process_logits(
     if any(row.params.logits_processors for row in rows):
         out = out.clone() if out is logits else out
         apply_logits_processors(out, rows, errors)
+        for i in errors or ():  # a failed row keeps its logits as they came in
+            out[i] = logits[i]
     out = apply_min_tokens(out, rows)
     return apply_penalties(out, rows)
 

@@ -13,7 +13,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
 class RaiseAfter:
-    """Passes logits through for `n` calls, then raises."""
+    """Passes logits through for `n` calls, then spoils its row in place and raises."""
 
     def __init__(self, n: int) -> None:
         self.n, self.calls = n, 0
@@ -21,6 +21,7 @@ class RaiseAfter:
     def __call__(self, output_ids: list[int], logits):
         self.calls += 1
         if self.calls > self.n:
+            logits.fill_(float("nan"))
             raise ValueError("tool lookup failed")
         return logits
 
