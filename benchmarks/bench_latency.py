@@ -1,7 +1,8 @@
 """Single-stream latency: time to first token and greedy decode tokens/s, Loom against peers.
 
 For each prompt length (default 512 and 2048 tokens) one request generates `--max-tokens`
-tokens greedily with EOS ignored; each repeat uses a prompt of its own (no prefix-cache hit). TTFT is the time from submitting to the first token;
+tokens greedily with EOS ignored; each repeat has a prompt of its own (no prefix-cache hit).
+TTFT is the time from submitting to the first token;
 decode tokens/s is (n - 1) / (time of the last token - time of the first). Engines: Loom at
 its default dtype and the `--loom-modes` variants (int8, w8a8, a float16 KV cache, n-gram
 speculative decoding), HF transformers at Loom's dtype and in bf16 (and bf16 with its
@@ -44,12 +45,18 @@ def loom_runner(engine: Any) -> Runner:
     return run
 
 
-def hf_runner(hf: Any, prompt_lookup: int | None = None) -> Runner:
+def hf_runner(hf: Any, prompt_lookup: int | None = None, static_cache: bool = False) -> Runner:
     """HF `generate` (greedy, EOS ignored) with a streamer that timestamps each token;
-    `prompt_lookup`: its prompt-lookup speculative decoding with that many draft tokens."""
+    `prompt_lookup`: its prompt-lookup speculative decoding with that many draft tokens;
+    `static_cache`: its static KV cache, with which transformers compiles the forward
+    (`torch.compile`; the first call compiles, the warmup pays it)."""
     import torch
 
-    extra = {} if prompt_lookup is None else {"prompt_lookup_num_tokens": prompt_lookup}
+    extra: dict[str, Any] = {}
+    if prompt_lookup is not None:
+        extra["prompt_lookup_num_tokens"] = prompt_lookup
+    if static_cache:
+        extra["cache_implementation"] = "static"
 
     def run(prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
         input_ids = torch.tensor([prompt], device=hf.device)
@@ -123,6 +130,9 @@ def main() -> None:
                         default=["int8", "w8a8", "w8a8+kv16", "w8a8+kv16+ngram"],
                         help="Loom variants besides its dtype: quantization modes, '+kv16' for "
                              "a float16 KV cache, '+ngram' for n-gram speculative decoding")
+    parser.add_argument("--hf-static-cache", action="store_true",
+                        help="also run HF bf16 with its static cache, compiled by torch.compile "
+                             "(its fastest decode; the peer the CUDA targets name)")
     parser.add_argument("--hf-prompt-lookup", type=int, default=4,
                         help="also run HF bf16 with prompt-lookup decoding with this many "
                              "drafts (0: off; the peer of Loom's '+ngram')")
@@ -153,6 +163,9 @@ def main() -> None:
         if args.hf_prompt_lookup and not args.quick:
             runners.append((f"transformers bfloat16+ngram{args.hf_prompt_lookup}",
                              lambda: _hf(args, "bfloat16", args.hf_prompt_lookup)))
+        if args.hf_static_cache:
+            runners.append(("transformers bfloat16 (static cache, compiled)",
+                            lambda: _hf(args, "bfloat16", static_cache=True)))
     else:
         c.skip("transformers: skipped (--no-hf)")
     if not args.no_llama_cpp:
@@ -201,9 +214,10 @@ def _variant(args: Any, mode: str) -> Runner | None:
     return None if engine is None else loom_runner(engine)
 
 
-def _hf(args: Any, dtype: str, prompt_lookup: int | None = None) -> Runner | None:
-    hf = c.load_hf(args.model, dtype)
-    return None if hf is None else hf_runner(hf, prompt_lookup)
+def _hf(args: Any, dtype: str, prompt_lookup: int | None = None,
+        static_cache: bool = False) -> Runner | None:
+    hf = c.load_hf(args.model, dtype, device=c.peer_device(args))
+    return None if hf is None else hf_runner(hf, prompt_lookup, static_cache)
 
 
 def _llama(args: Any, n_ctx: int) -> Runner | None:

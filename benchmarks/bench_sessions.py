@@ -85,16 +85,18 @@ def run_hf(hf: Any, stream: list[int], append: list[int], args: Any) -> dict:
     with torch.inference_mode():
         for n_ctx in args.contexts:
             for lo in range(have, n_ctx, 512):  # grow in chunks, untimed
-                ids = torch.tensor([stream[lo : min(lo + 512, n_ctx)]])
+                ids = torch.tensor([stream[lo : min(lo + 512, n_ctx)]], device=hf.device)
                 cache = hf(ids, past_key_values=cache, use_cache=True).past_key_values
             have = n_ctx
             times = []
-            new = torch.tensor([append])
+            new = torch.tensor([append], device=hf.device)
             hf(new, past_key_values=copy.deepcopy(cache), use_cache=True)  # warmup
             for _ in range(args.repeats * 2):
                 trial = copy.deepcopy(cache)
+                c.device_sync()
                 start = c.now()
                 hf(new, past_key_values=trial, use_cache=True)
+                c.device_sync()
                 times.append((c.now() - start) * 1e3)
                 del trial
             out[str(n_ctx)] = {"append_ms": round(c.median(times), 2)}
@@ -165,7 +167,7 @@ def main() -> None:
         assert engine.kv_pool_all_free, "sessions leaked KV blocks"
         del engine, uncached
 
-    hf = c.load_hf(args.model, dtype, disabled=args.no_hf)
+    hf = c.load_hf(args.model, dtype, device=c.peer_device(args), disabled=args.no_hf)
     if hf is None:
         skipped.append("transformers")
     else:

@@ -67,7 +67,8 @@ def run_hf(hf: Any, work: list[tuple[list[int], int]], batch: int) -> dict[str, 
         mask = [[0] * (width - len(work[i][0])) + [1] * len(work[i][0]) for i in idx]
         n_out = max(work[i][1] for i in idx)
         with torch.inference_mode():
-            hf.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+            hf.generate(input_ids=torch.tensor(ids, device=hf.device),
+                        attention_mask=torch.tensor(mask, device=hf.device),
                         max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False,
                         top_p=None, top_k=None, pad_token_id=pad)
 
@@ -155,7 +156,8 @@ def main() -> None:
 
     for hf_dtype in dict.fromkeys(dtype if d == "same" else d for d in args.hf_dtypes):
         label = f"transformers {hf_dtype} (batches of {args.hf_batch_size})"
-        hf = c.load_hf(args.model, hf_dtype, disabled=args.no_hf)
+        hf = c.load_hf(args.model, hf_dtype, device=c.peer_device(args),
+                       disabled=args.no_hf)
         if hf is None:
             skipped.append(label)
             continue

@@ -262,6 +262,13 @@ def load_hf(model: str, dtype: str, device: str = "cpu", disabled: bool = False)
     return hf.to(device).eval()
 
 
+def peer_device(args: argparse.Namespace) -> str:
+    """The device transformers runs on: Loom's (`--device`, "auto" resolved the same way)."""
+    from loom.engine.resolve import resolve_device
+
+    return resolve_device(args.device)
+
+
 def hf_pad_id(hf: Any) -> int:
     """The pad token id of an HF model's config (0 when it has none)."""
     pad = getattr(hf.config, "pad_token_id", None)
@@ -464,8 +471,19 @@ def try_variant_engine(
 
 
 def settle(engine: Any, on_step: Callable[[], None] | None = None) -> None:
-    """Step the engine until nothing waits or runs (paused sessions do not count)."""
+    """Step the engine until nothing waits or runs (paused sessions do not count), then wait
+    for the device: a step that only stores logits (a session's prefill) copies nothing back,
+    so on a GPU its work may still be running when `step` returns."""
     while engine.has_unfinished_requests():
         engine.step()
         if on_step is not None:
             on_step()
+    device_sync()
+
+
+def device_sync() -> None:
+    """Wait for queued GPU work (nothing to wait for on a CPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

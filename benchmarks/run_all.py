@@ -17,7 +17,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ["startup", "latency", "throughput", "sessions", "hooks", "quality", "speculative",
-              "prefix", "kv_connector", "serving"]
+              "prefix", "kv_connector", "serving", "step_profile"]
 
 
 def main() -> int:

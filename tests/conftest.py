@@ -8,6 +8,15 @@ import pytest
 import torch
 from tiny_reference import TINY_ARCHS, build_tiny_model
 
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")])])
+def device(request) -> str:
+    """Each device a fidelity test runs on: the CPU always, CUDA where a GPU is present."""
+    return request.param
+
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:

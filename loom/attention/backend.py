@@ -31,6 +31,10 @@ class AttentionBackend(ABC):
     """Writes new K/V into a paged cache and attends over each sequence's context."""
 
     name: str = "abstract"
+    # Whether small CPU steps may skip this backend for the fused decoder (loom.models.
+    # fused_decode), which writes K/V and attends with Loom's C kernel: the same results as
+    # the CPU and torch backends. A backend whose own kernels must run says False.
+    fused_cpu_decode: bool = True
 
     def reads_only_written_slots(self, dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> bool:
         """Whether every read of the cache in this configuration stays inside the slots the
@@ -58,18 +62,27 @@ def get_attention_backend(
 ) -> AttentionBackend:
     """Return the backend registered under `name`; "auto" picks the best one for `device`.
 
-    "auto" is "cpu" (the C decode kernel) on a CPU where Loom's kernels build, else "torch".
+    "auto" is "cpu" (the C decode kernel) on a CPU where Loom's kernels build, "triton" (paged
+    attention kernels) on CUDA where Triton imports, else "torch" (the reference). "triton"
+    on a CPU runs only under Triton's interpreter (TRITON_INTERPRET=1): tests use it so.
     """
     from loom.attention.cpu_backend import CpuAttentionBackend
     from loom.attention.torch_backend import TorchAttentionBackend
+    from loom.attention.triton_backend import TritonAttentionBackend, triton_available
 
     backends: dict[str, type[AttentionBackend]] = {
         "torch": TorchAttentionBackend,
         "cpu": CpuAttentionBackend,
+        "triton": TritonAttentionBackend,
     }
     if name == "auto":
-        on_cpu = torch.device(device).type == "cpu"
-        name = "cpu" if on_cpu and cpu_kernels_available() else "torch"
+        kind = torch.device(device).type
+        if kind == "cpu":
+            name = "cpu" if cpu_kernels_available() else "torch"
+        else:
+            name = "triton" if kind == "cuda" and triton_available() else "torch"
+    if name == "triton" and not triton_available():
+        raise ValueError("attention backend 'triton' needs the triton package")
     if name not in backends:
         raise ValueError(f"unknown attention backend {name!r}; known: {['auto', *backends]}")
     return backends[name]()

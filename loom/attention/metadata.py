@@ -66,8 +66,8 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         """Build the metadata for sequences given by start position, chunk length and blocks.
 
-        Plain Python lists, one tensor per field at the end: a decode step has a handful of
-        numbers, and a long chunk costs one list extend per block it touches.
+        Plain Python lists, one tensor for all fields at the end: a decode step has a handful
+        of numbers, and a long chunk costs one list extend per block it touches.
         """
         seq_lens = [s + q for s, q in zip(start_pos, query_lens, strict=True)]
         positions: list[int] = []
@@ -82,17 +82,22 @@ class AttentionMetadata:
                 slots.extend(range(first, first + run))
                 pos += run
         max_blocks = max(1, max((len(b) for b in block_ids), default=0))
-        table = [list(b) + [0] * (max_blocks - len(b)) for b in block_ids]
-
-        def tensor(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64).to(device)
-
+        starts = list(accumulate(query_lens, initial=0))
+        fields = (slots, positions, starts, seq_lens)
+        flat = [v for f in fields for v in f]
+        for b in block_ids:
+            flat.extend(b)
+            flat.extend([0] * (max_blocks - len(b)))
+        # One host tensor, one copy to the device (a single transfer per step on a GPU), and
+        # each field a view of it.
+        packed = torch.tensor(flat, dtype=torch.int64).to(device, non_blocking=True)
+        views = list(packed.split([len(f) for f in fields] + [len(block_ids) * max_blocks]))
         return cls(
-            slot_mapping=tensor(slots),
-            positions=tensor(positions),
-            query_start_loc=tensor(list(accumulate(query_lens, initial=0))),
-            seq_lens=tensor(seq_lens),
-            block_tables=tensor(table).view(len(block_ids), max_blocks),
+            slot_mapping=views[0],
+            positions=views[1],
+            query_start_loc=views[2],
+            seq_lens=views[3],
+            block_tables=views[4].view(len(block_ids), max_blocks),
             block_size=block_size,
             query_lens_list=list(query_lens),
             seq_lens_list=seq_lens,

@@ -44,6 +44,15 @@ class EngineArgs:
     # kv_role="kv_both", kv_connector_extra_config={"shared_storage_path": "kv"}) or the
     # same as a dict (see loom.kv_connector.KVTransferConfig).
     kv_transfer_config: Any = None
+    # Attention kernels: "auto" (the C kernels on CPU, Triton's on CUDA), "torch" (the
+    # reference), "cpu", "triton" (on a CPU only under TRITON_INTERPRET=1, for tests).
+    attention_backend: str = "auto"
+    # With the triton backend, all-decode steps of up to max(cuda_graph_sizes) sequences run
+    # from graphs captured at start-up (CUDA graphs on CUDA), one per batch-size bucket
+    # (default 1, 2, 4, 8, 16, 24, ... max_num_seqs); enforce_eager=True runs every step
+    # eagerly, as vLLM's flag does.
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
     special_kwargs: Any = None  # loom.engine.promise_sync.SpecialKwargs
     hooks: list[Any] = field(default_factory=list)  # loom.engine.hooks.SequenceHook objects
 

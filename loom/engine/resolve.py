@@ -31,6 +31,7 @@ from loom.kv_connector.factory import connector_class
 from loom.loader import weights_are_quantized
 from loom.loader.resolve import resolve_model_path
 from loom.models.quant import set_large_batch_dtype
+from loom.runner.decode_graphs import graph_batch_sizes
 from loom.runner.loading import build_model
 from loom.runner.model_runner import ModelRunner, kv_cache_bytes_per_block
 from loom.spec_decode import SpeculativeConfig
@@ -161,9 +162,12 @@ def _build_model_parts(
         ),
     )
     assert cdiv(max_model_len, args.block_size) <= num_blocks
+    graph_sizes = None if args.enforce_eager else graph_batch_sizes(
+        args.max_num_seqs, args.cuda_graph_sizes)
     runner = ModelRunner(
         model_config, model, torch.device(device), torch_dtype(dtype), num_blocks, args.block_size,
-        kv_cache_dtype=torch_dtype(kv_dtype),
+        attention_backend=args.attention_backend, kv_cache_dtype=torch_dtype(kv_dtype),
+        decode_graph_sizes=graph_sizes, max_model_len=max_model_len,
     )
     if kv_transfer is not None:
         worker = create_connector(kv_transfer, config.kv_cache_spec, KVConnectorRole.WORKER)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from loom.attention import get_forward_context
 from loom.errors import InvalidModelError
@@ -60,15 +61,28 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         if self.embed_scale is not None:
             # Scale in the model dtype, as the reference implementations do.
-            h = h * torch.tensor(self.embed_scale, dtype=h.dtype, device=h.device)
+            h = h * self._embed_scale_tensor(h.dtype, h.device)
         ctx = get_forward_context()
-        fused = self._fused_decoder() if self.use_fused_decode else None
+        use_fused = self.use_fused_decode and ctx.backend.fused_cpu_decode
+        fused = self._fused_decoder() if use_fused else None
         if fused is not None and fused.applies(h, ctx.metadata, ctx.kv_caches):
-            h = fused.run(h, positions, ctx.metadata, ctx.kv_caches)
+            # Named for profiles: the C call is not a torch operator.
+            with record_function("loom::fused_decode"):
+                h = fused.run(h, positions, ctx.metadata, ctx.kv_caches)
         else:
             for layer in self.model.layers:
                 h = layer(positions, h)
         return self.model.norm(h)
+
+    def _embed_scale_tensor(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The embedding scale as a 0-d tensor, made once per dtype and device: a copy from
+        the host inside a forward would be a synchronisation (and break CUDA graph capture)."""
+        cache: dict[tuple[torch.dtype, torch.device], torch.Tensor] = self.__dict__.setdefault(
+            "_embed_scales", {})
+        key = (dtype, device)
+        if key not in cache:
+            cache[key] = torch.tensor(self.embed_scale, dtype=dtype, device=device)
+        return cache[key]
 
     def invalidate_fused_decoder(self) -> None:
         """Forget the fused decoder (after weights changed); the next decode rebuilds it."""
@@ -84,7 +98,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits [N, V] in float32 for the given hidden rows."""
-        logits = self.lm_head(hidden).float()
+        with record_function("loom::lm_head"):
+            logits = self.lm_head(hidden).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -9,13 +10,19 @@ import torch
 from loom.attention import (
     AttentionBackend,
     AttentionMetadata,
+    AttentionSpec,
+    TorchAttentionBackend,
     allocate_kv_caches,
     forward_context,
     get_attention_backend,
 )
+from loom.attention.triton_backend import TritonAttentionBackend, check_against_reference
 from loom.core.scheduler_output import ScheduledChunk
 from loom.models.base import CausalLM
 from loom.models.config import ModelConfig
+from loom.runner.decode_graphs import DecodeGraphRunner
+
+logger = logging.getLogger("loom")
 
 
 def kv_cache_bytes_per_block(
@@ -39,7 +46,13 @@ class ModelRunner:
         block_size: int,
         attention_backend: str = "auto",
         kv_cache_dtype: torch.dtype | None = None,
+        decode_graph_sizes: list[int] | None = None,
+        max_model_len: int | None = None,
     ) -> None:
+        """`decode_graph_sizes`: run all-decode steps of up to that many sequences from
+        per-bucket graphs over static buffers (loom.runner.decode_graphs), captured as CUDA
+        graphs on CUDA; needs the triton attention backend and `max_model_len`; None: every
+        step runs eagerly."""
         self.model_config = model_config
         self.model = model
         self.device = torch.device(device)
@@ -48,12 +61,46 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.backend: AttentionBackend = get_attention_backend(attention_backend, device)
+        if isinstance(self.backend, TritonAttentionBackend):
+            self._check_triton(attention_backend)
+        graphs = decode_graph_sizes if isinstance(self.backend, TritonAttentionBackend) else None
+        # With graphs the pool has one block more than the block pool hands out: the pad
+        # block, where a graph's padding rows write their K/V.
         self.kv_caches = allocate_kv_caches(
-            model_config.num_layers, num_blocks, block_size,
+            model_config.num_layers, num_blocks + (1 if graphs else 0), block_size,
             model_config.num_kv_heads, model_config.head_dim, self.kv_cache_dtype, self.device,
             zeroed=not self.backend.reads_only_written_slots(dtype, self.kv_cache_dtype),
         )
         self.kv_connector: Any = None  # the worker half of a KV connector (loom.kv_connector)
+        self.decode_graphs: DecodeGraphRunner | None = None
+        if graphs:
+            assert isinstance(self.backend, TritonAttentionBackend) and max_model_len
+            self.decode_graphs = DecodeGraphRunner(
+                model, model_config, self.kv_caches, self.backend, block_size,
+                pad_block=num_blocks, max_model_len=max_model_len, sizes=graphs,
+                capture=self.device.type == "cuda",
+            )
+            self.decode_graphs.capture_all()
+
+    def _check_triton(self, requested: str) -> None:
+        """Check the Triton kernels on this device against the reference once; where they
+        fail, "auto" falls back to the torch backend (no graphs) with a warning, and an
+        explicit "triton" raises."""
+        cfg = self.model_config
+        windows = [None] + ([12] if cfg.sliding_window else [])  # 12: masks in the check
+        problem = None
+        for window in windows:
+            spec = AttentionSpec(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                 cfg.head_dim ** -0.5, sliding_window=window)
+            problem = problem or check_against_reference(
+                self.backend, spec, self.device, self.dtype, self.kv_cache_dtype)
+        if problem is None:
+            return
+        if requested == "triton":
+            raise RuntimeError(f"the triton attention backend fails on {self.device}: {problem}")
+        logger.warning("Triton attention fails on %s (%s): using the torch reference backend "
+                       "and no CUDA graphs", self.device, problem)
+        self.backend = TorchAttentionBackend()
 
     def attach_kv_connector(self, connector: Any) -> None:
         """Give the worker half of a KV connector the KV pool; each step then loads before
@@ -119,6 +166,9 @@ class ModelRunner:
         vocab = self.model_config.vocab_size
         if not chunks:
             return torch.empty((0, vocab), dtype=torch.float32, device=self.device)
+        graphs = self.decode_graphs
+        if graphs is not None and self.kv_connector is None and graphs.applies(chunks):
+            return graphs.run(chunks)
         metadata = self.build_metadata(chunks)
         input_ids = torch.tensor(
             [t for c in chunks for t in c.token_ids], dtype=torch.int64

@@ -56,6 +56,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                help=f"EngineArgs.{field.name}")
+        elif typing.get_origin(kind) is list:  # e.g. --cuda-graph-sizes 1 2 4 8
+            (item,) = typing.get_args(kind)
+            group.add_argument(flag, type=item, nargs="+", default=default,
+                               help=f"EngineArgs.{field.name} (a list)")
         else:
             convert = kind if kind in (int, float, str) else str
             group.add_argument(flag, type=convert, default=default,

@@ -33,17 +33,22 @@ def assert_greedy_matches(engine, completion, expected: list[int], context: str)
         assert got == expected[: len(got)], context
 
 
-def test_greedy_continuations_equal_transformers(engine, gemma_hf):
+def assert_prompts_greedy_match(engine, gemma_hf, prefix: str) -> None:
+    """Every prompt of PROMPTS, batched, generates transformers' greedy tokens."""
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     for i, prompt in enumerate(PROMPTS):
-        engine.add_request(f"g{i}", prompt, params)
+        engine.add_request(f"{prefix}{i}", prompt, params)
     outs = run_to_completion(engine)
     for i, prompt in enumerate(PROMPTS):
-        out = outs[f"g{i}"]
+        out = outs[f"{prefix}{i}"]
         ids = torch.tensor([out.prompt_token_ids])
         with torch.no_grad():
             ref = gemma_hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)
         assert_greedy_matches(engine, out.outputs[0], ref[0, ids.shape[1] :].tolist(), prompt)
+
+
+def test_greedy_continuations_equal_transformers(engine, gemma_hf):
+    assert_prompts_greedy_match(engine, gemma_hf, "g")
 
 
 def test_prompt_tokens_equal_transformers_tokenizer(engine, gemma_hf_tokenizer):
@@ -182,4 +187,33 @@ def test_speculative_decoding_equals_transformers_and_fresh_forward(gemma_path, 
     torch.testing.assert_close(engine.get_logits("sess"), ref, atol=2e-3, rtol=1e-3)
     assert engine.num_recomputed_tokens == 0
     engine.close("sess")
+    assert engine.kv_pool_all_free
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_gemma_on_cuda_equals_transformers_and_fresh_forward(gemma_path, gemma_hf):
+    """The CUDA path (Triton attention, decode steps from CUDA graphs) on the real model, in
+    float32: greedy tokens equal transformers', a live session equals a fresh forward."""
+    from loom.engine.config import EngineArgs
+    from loom.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(gemma_path), dtype="float32", quantization=None, device="cuda",
+        num_kv_blocks=256, max_num_seqs=8,
+    ))
+    assert engine.runner.decode_graphs is not None
+    assert_prompts_greedy_match(engine, gemma_hf, "c")
+    assert engine.runner.decode_graphs.steps_run > 0
+    engine.add_request("madlib", "The knight's name was", SamplingParams(
+        temperature=0.0, max_tokens=5), session=True)
+    run_to_completion(engine)
+    engine.prefill("madlib", " and his horse was called")
+    run_to_completion(engine)
+    ids = list(engine.get_session("madlib").token_ids)
+    with torch.no_grad():
+        ref = gemma_hf(torch.tensor([ids])).logits[0, -1].float()
+    torch.testing.assert_close(engine.get_logits("madlib").cpu(), ref, atol=2e-3, rtol=1e-3)
+    assert engine.num_recomputed_tokens == 0
+    engine.close("madlib")
     assert engine.kv_pool_all_free

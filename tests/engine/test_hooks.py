@@ -59,10 +59,10 @@ def params(script, max_tokens=14, **kw):
                           logits_processors=[script], **kw)
 
 
-def test_promise_sync_tree_equals_fresh_forward(tiny_models):
+def test_promise_sync_tree_equals_fresh_forward(tiny_models, device):
     folder, hf = tiny_models["gemma3"]
     engine = make_engine(folder, special_kwargs=SpecialKwargs(promise_token_id=P,
-                                                              sync_token_id=S))
+                                                              sync_token_id=S), device=device)
     script = Script(parent_plan, child_plan)
     prompt = prompt_ids(9)
     engine.add_request("t", prompt, params(script), session=True)
@@ -90,11 +90,12 @@ def test_promise_sync_tree_equals_fresh_forward(tiny_models):
     checked = 0
     for tokens, logits in script.seen:
         if S not in tokens[len(prompt) :]:
-            torch.testing.assert_close(logits, hf_last_logits(hf, tokens), atol=1e-4, rtol=0)
+            torch.testing.assert_close(logits.cpu(), hf_last_logits(hf, tokens), atol=1e-4,
+                                       rtol=0)
             checked += 1
     assert checked >= 10
-    torch.testing.assert_close(engine.get_logits("t"), hf_last_logits(hf, ids), atol=1e-4,
-                               rtol=0)
+    torch.testing.assert_close(engine.get_logits("t").cpu(), hf_last_logits(hf, ids),
+                               atol=1e-4, rtol=0)
     engine.close("t")
     assert engine.kv_pool_all_free
 

@@ -44,12 +44,12 @@ def assert_logits_fresh(engine, hf, rid):
     """The stored logits equal transformers' on the session's tokens, and a fresh Loom request."""
     view = engine.get_session(rid)
     assert view.num_computed_tokens == len(view.token_ids)
-    stored = engine.get_logits(rid)
+    stored = engine.get_logits(rid).cpu()
     torch.testing.assert_close(stored, hf_last_logits(hf, list(view.token_ids)), atol=ATOL, rtol=0)
     fresh_id = f"fresh-{rid}-{len(view.token_ids)}"
     engine.add_request(fresh_id, list(view.token_ids), session=True)
     step_until_paused(engine, fresh_id)
-    torch.testing.assert_close(engine.get_logits(fresh_id), stored, atol=ATOL, rtol=0)
+    torch.testing.assert_close(engine.get_logits(fresh_id).cpu(), stored, atol=ATOL, rtol=0)
     engine.close(fresh_id)
 
 
@@ -61,9 +61,9 @@ def assert_greedy_consistent(hf, token_ids, generated_ranges):
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "llama", "qwen3"])
-def test_alternating_session_equals_fresh_forward(tiny_models, arch):
+def test_alternating_session_equals_fresh_forward(tiny_models, arch, device):
     folder, hf = tiny_models[arch]
-    engine = make_engine(folder, max_num_batched_tokens=8)
+    engine = make_engine(folder, max_num_batched_tokens=8, device=device)
     engine.add_request("s", prompt_ids(11), GREEDY, session=True)
     # A batch partner that decodes through every segment: each prefill and generation of
     # the session shares its steps with another running request.

@@ -54,9 +54,9 @@ def record_steps(engine) -> list[tuple[list[int], list[int], int]]:
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_greedy_with_drafts_equals_transformers(tiny_models, arch):
+def test_greedy_with_drafts_equals_transformers(tiny_models, arch, device):
     folder, hf = tiny_models[arch]
-    engine = make_engine(folder, speculative_config=SPEC)
+    engine = make_engine(folder, speculative_config=SPEC, device=device)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     for ids, out in zip(PROMPTS, generate(engine, params), strict=True):
         assert out.token_ids == hf_greedy(hf, ids, 24)

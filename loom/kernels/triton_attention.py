@@ -1,0 +1,254 @@
+"""Paged attention in Triton: the CUDA attention kernels (Triton's interpreter runs them on CPU).
+
+One kernel serves prefill chunks, decodes and speculative verification alike. A program
+attends a tile of query rows -- up to `block_q` consecutive query tokens of one sequence,
+times the GROUP query heads that read one kv head, so each key and value row is loaded once
+for the whole group -- over one part of that sequence's keys, read in place from the paged
+cache through its block table (no gathered copy of the context):
+
+    grid = (work items, kv heads, parts)
+    work item w = (sequence work_seq[w], its query tokens [work_qoff[w], + block_q))
+    part p      = the p-th of `parts` equal runs of whole BLOCK_N tiles of the keys the
+                  item's queries can see (sized per item, from its own sequence length)
+
+With one part the program normalises and writes the output itself. With several (decode,
+where one sequence's context is the only parallelism there is) each writes its unnormalised
+output, running max and sum of exponentials, and a second kernel merges the parts with the
+usual max/sum rescaling. Masks: a query at position t sees keys <= t, and with a sliding
+window only keys > t - window; scores are soft-capped (cap * tanh(s / cap)) when asked.
+Accumulation is in float32; float32 inputs multiply in IEEE float32 (no TF32), so the result
+matches the torch reference backend to float32 rounding.
+
+The launch shapes depend only on (work items, parts), and each item sizes its parts from its
+own length on the device, which is what lets a CUDA graph capture a decode step: the runner
+pads the batch to its bucket and fixes the number of parts per bucket, whatever the lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Keys per inner step of a program (rows of the K and V tiles).
+BLOCK_N = 32
+# Query rows (tokens x heads of a group) per program for prefill chunks.
+PREFILL_ROWS = 64
+# Smallest tile side tl.dot accepts on the GPU.
+MIN_DOT = 16
+# Most parts a context is split into.
+MAX_PARTS = 32
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from exp (no libdevice in the interpreter): saturates to +-1 as exp overflows.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _attend_part(
+    q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, q_start_ptr, work_seq_ptr, work_qoff_ptr,
+    out_ptr, acc_ptr, m_ptr, l_ptr,
+    scale, softcap, window, num_rows, max_blocks,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+    SINGLE_PART: tl.constexpr, PRECISION: tl.constexpr,
+):
+    w = tl.program_id(0)
+    kvh = tl.program_id(1)
+    part = tl.program_id(2)
+    seq = tl.load(work_seq_ptr + w)
+    qoff = tl.load(work_qoff_ptr + w)
+    t0 = tl.load(q_start_ptr + seq)
+    q_len = tl.load(q_start_ptr + seq + 1) - t0
+    first_pos = tl.load(seq_lens_ptr + seq) - q_len
+
+    # Row r of the tile: query token qoff + r // GROUP, head kvh * GROUP + r % GROUP.
+    rows = tl.arange(0, BLOCK_M)
+    qi = qoff + rows // GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (qi < q_len)
+    pos = first_pos + qi
+    flat_row = (t0 + qi) * NUM_HEADS + kvh * GROUP + rows % GROUP  # row of [T * H, D]
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + flat_row[:, None] * HEAD_DIM + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # Keys any row of the tile can see: [lo, last_pos], split into equal parts of whole
+    # BLOCK_N tiles; this program takes part `part`: [k_lo, k_hi).
+    last_pos = first_pos + tl.minimum(qoff + BLOCK_Q, q_len) - 1
+    lo = first_pos * 0
+    if WINDOW:
+        lo = tl.maximum(lo, first_pos + qoff - window + 1)
+    per_part = tl.cdiv(tl.cdiv(last_pos + 1 - lo, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    k_lo = lo + part * per_part
+    k_hi = tl.minimum(last_pos + 1, k_lo + per_part)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+    for start in range(k_lo // BLOCK_N * BLOCK_N, k_hi, BLOCK_N):
+        kpos = start + cols
+        k_ok = (kpos >= k_lo) & (kpos < k_hi)
+        block = tl.load(tables_ptr + seq * max_blocks + kpos // PAGE, mask=k_ok, other=0)
+        kv_row = ((block * PAGE + kpos % PAGE) * NUM_KV_HEADS + kvh) * HEAD_DIM
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + kv_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        see = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
+        if WINDOW:
+            see = see & (kpos[None, :] > pos[:, None] - window)
+        s = tl.where(see, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps max -inf; shift by 0 so exp gives 0, not nan.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_shift)
+        p = tl.exp(s - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + kv_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                            input_precision=PRECISION)
+        m_i = m_new
+
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if SINGLE_PART:
+        # Every valid row sees at least its own position, so l_i > 0.
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + flat_row[:, None] * HEAD_DIM + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        part_row = part * num_rows + flat_row
+        tl.store(acc_ptr + part_row[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
+        tl.store(m_ptr + part_row, m_i, mask=row_ok)
+        tl.store(l_ptr + part_row, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_parts(
+    acc_ptr, m_ptr, l_ptr, out_ptr, num_rows, num_parts,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    r = tl.program_id(0)
+    p = tl.arange(0, BLOCK_P)
+    p_ok = p < num_parts
+    m = tl.load(m_ptr + p * num_rows + r, mask=p_ok, other=float("-inf"))
+    lsum = tl.load(l_ptr + p * num_rows + r, mask=p_ok, other=0.0)
+    top = tl.max(m, 0)
+    # Parts that saw no key (max -inf) weigh 0; the query's own key is in some part.
+    weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
+    total = tl.sum(weight * lsum, 0)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    acc = tl.load(acc_ptr + (p[:, None] * num_rows + r) * HEAD_DIM + d[None, :],
+                  mask=p_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(weight[:, None] * acc, 0) / total
+    tl.store(out_ptr + r * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How one step's queries are tiled: shared by every layer of the step.
+
+    work_seq / work_qoff: [W] int32 on the device, the sequence and first query token of each
+    work item; block_q: query tokens per item; num_parts: how many parts each item's keys are
+    split into (each item sizes its parts from its own length)."""
+
+    work_seq: torch.Tensor
+    work_qoff: torch.Tensor
+    block_q: int
+    num_parts: int
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def block_q_for(max_query_len: int, group: int) -> int:
+    """Query tokens per work item: one for decodes, enough to fill PREFILL_ROWS otherwise."""
+    if max_query_len <= 1:
+        return 1
+    return min(_next_pow2(max_query_len), max(1, PREFILL_ROWS // _next_pow2(group)))
+
+
+def parts_for(num_items: int, num_kv_heads: int, max_keys: int, target_programs: int) -> int:
+    """How many parts to split each item's keys into so that about `target_programs`
+    programs run: at most one per BLOCK_N tile of the longest item and at most MAX_PARTS
+    (the merge reads every part of a row); 1 when the items alone fill the GPU."""
+    tiles = max(1, -(-max_keys // BLOCK_N))
+    wanted = -(-target_programs // max(1, num_items * num_kv_heads))
+    return max(1, min(tiles, wanted, MAX_PARTS))
+
+
+def make_plan(query_lens: list[int], seq_lens: list[int], group: int, num_kv_heads: int,
+              device: torch.device, target_programs: int,
+              num_parts: int | None = None) -> AttentionPlan:
+    """The tiling of a step from its host-side lengths (`num_parts` forces the key split)."""
+    block_q = block_q_for(max(query_lens, default=1), group)
+    seqs: list[int] = []
+    offs: list[int] = []
+    for b, n in enumerate(query_lens):
+        for off in range(0, n, block_q):
+            seqs.append(b)
+            offs.append(off)
+    if num_parts is None:
+        num_parts = parts_for(len(seqs), num_kv_heads, max(seq_lens, default=1),
+                              target_programs)
+    packed = torch.tensor([seqs, offs], dtype=torch.int32).to(device, non_blocking=True)
+    return AttentionPlan(packed[0], packed[1], block_q, num_parts)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention of q [T, H, D] over a [2, blocks, page, Hkv, D] paged cache -> [T, H, D].
+
+    block_tables [S, max_blocks], seq_lens [S] and query_start [S + 1] (int32 or int64) lay out
+    the sequences as in AttentionMetadata; their K/V for this step are already in the cache.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, page, num_kv_heads, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    block_m = max(MIN_DOT, _next_pow2(plan.block_q * group))
+    block_d = max(MIN_DOT, _next_pow2(head_dim))
+    num_rows = num_tokens * num_heads
+    single = plan.num_parts == 1
+    if single:
+        acc = m = lsum = out  # unused by the kernel
+    else:
+        acc = torch.empty((plan.num_parts, num_rows, head_dim), dtype=torch.float32,
+                          device=q.device)
+        m = torch.empty((plan.num_parts, num_rows), dtype=torch.float32, device=q.device)
+        lsum = torch.empty_like(m)
+    grid = (plan.work_seq.shape[0], num_kv_heads, plan.num_parts)
+    _attend_part[grid](
+        q, kv_cache[0], kv_cache[1], block_tables, seq_lens, query_start,
+        plan.work_seq, plan.work_qoff, out, acc, m, lsum,
+        scale, softcap or 1.0, window or 0, num_rows, block_tables.shape[1],
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, GROUP=group,
+        BLOCK_Q=plan.block_q, BLOCK_M=block_m, BLOCK_D=block_d, PAGE=page, BLOCK_N=BLOCK_N,
+        SOFTCAP=bool(softcap), WINDOW=bool(window), SINGLE_PART=single,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    if not single:
+        _merge_parts[(num_rows,)](
+            acc, m, lsum, out, num_rows, plan.num_parts,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_P=max(2, _next_pow2(plan.num_parts)),
+        )
+    return out

@@ -1,0 +1,145 @@
+"""The Triton paged-attention kernels against the torch reference backend.
+
+On a machine without CUDA they run in Triton's interpreter (TRITON_INTERPRET=1, set before
+Triton is imported), at small sizes; with CUDA they run compiled on the GPU as well."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+from loom.attention import AttentionMetadata, AttentionSpec, TorchAttentionBackend
+from loom.attention.triton_backend import TritonAttentionBackend
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _step(seed: int, spec: AttentionSpec, chunks: list[tuple[int, int]], block_size: int,
+          dtype: torch.dtype, kv_dtype: torch.dtype, device: str):
+    """A random paged cache (blocks shuffled, noise in unused slots) and a step's inputs:
+    chunks are (start position, query length) per sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    need = [-(-(s + n) // block_size) for s, n in chunks]
+    ids = list(range(sum(need) + 3))
+    rng.shuffle(ids)
+    tables, at = [], 0
+    for n in need:
+        tables.append(ids[at:at + n])
+        at += n
+    shape = (2, len(ids), block_size, spec.num_kv_heads, spec.head_dim)
+    cache = torch.randn(shape, generator=gen).to(kv_dtype)
+    tokens = sum(n for _, n in chunks)
+    q = torch.randn(tokens, spec.num_heads, spec.head_dim, generator=gen).to(dtype)
+    k = torch.randn(tokens, spec.num_kv_heads, spec.head_dim, generator=gen).to(dtype)
+    v = torch.randn(tokens, spec.num_kv_heads, spec.head_dim, generator=gen).to(dtype)
+    md = AttentionMetadata.build([s for s, _ in chunks], [n for _, n in chunks], tables,
+                                 block_size, device=device)
+    return q.to(device), k.to(device), v.to(device), cache.to(device), md
+
+
+def _run(backend, spec, q, k, v, cache, md):
+    cache = cache.clone()
+    md.plan_cache.clear()
+    return backend.forward(spec, q, k, v, cache, md), cache
+
+
+CASES = [
+    # (name, heads, kv heads, head dim, window, softcap, chunks)
+    ("decode batch", 4, 1, 32, None, None, [(0, 1), (37, 1), (70, 1), (15, 1)]),
+    ("prefill and decode", 4, 2, 16, None, None, [(0, 21), (33, 1), (5, 9)]),
+    ("sliding window", 2, 1, 32, 24, None, [(40, 1), (10, 30), (0, 50)]),
+    ("softcap, no GQA", 2, 2, 16, None, 5.0, [(0, 12), (50, 1), (20, 3)]),
+    ("group of three", 6, 2, 16, 16, None, [(3, 40), (64, 1)]),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_parts", [None, 1, 3])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_triton_attention_matches_torch_reference(case, num_parts, device):
+    _, heads, kv_heads, dim, window, softcap, chunks = case
+    spec = AttentionSpec(heads, kv_heads, dim, dim ** -0.5, window, softcap)
+    q, k, v, cache, md = _step(len(chunks) + heads, spec, chunks, 16, torch.float32,
+                               torch.float32, device)
+    want, want_cache = _run(TorchAttentionBackend(), spec, q, k, v, cache, md)
+    got, got_cache = _run(TritonAttentionBackend(num_parts), spec, q, k, v, cache, md)
+    assert torch.equal(got_cache, want_cache)  # the same slots written
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_attention_reads_float16_cache(device):
+    spec = AttentionSpec(4, 1, 32, 32 ** -0.5, None, None)
+    q, k, v, cache, md = _step(3, spec, [(0, 18), (40, 1)], 16, torch.float32, torch.float16,
+                               device)
+    want, _ = _run(TorchAttentionBackend(), spec, q, k, v, cache, md)
+    got, _ = _run(TritonAttentionBackend(2), spec, q, k, v, cache, md)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_parts_fill_the_gpu_within_bounds():
+    from loom.kernels.triton_attention import BLOCK_N, MAX_PARTS, block_q_for, parts_for
+
+    assert parts_for(1, 1, 512, 512) == 512 // BLOCK_N  # one part per tile of keys at most
+    assert parts_for(1, 1, 32768, 512) == MAX_PARTS
+    assert parts_for(64, 1, 4096, 512) == 8  # 64 items x 8 parts = 512 programs
+    assert parts_for(600, 2, 4096, 512) == 1  # the items alone fill it
+    assert parts_for(1, 1, 0, 512) == 1
+    assert block_q_for(1, 4) == 1  # decodes: one token per item
+    assert block_q_for(300, 4) == 16  # prefill: 16 tokens x 4 heads = 64 rows
+    assert block_q_for(3, 1) == 4  # verification chunks: the chunk rounded up
+
+
+def test_start_up_check_passes_and_catches_broken_kernels(monkeypatch):
+    from loom.attention.triton_backend import check_against_reference
+    from loom.kernels import triton_attention
+
+    spec = AttentionSpec(4, 1, 32, 32 ** -0.5, 12, None)
+    backend = TritonAttentionBackend()
+    assert check_against_reference(backend, spec, torch.device("cpu"), torch.float32,
+                                   torch.float32) is None
+    assert check_against_reference(backend, spec, torch.device("cpu"), torch.float32,
+                                   torch.float16) is None
+    real = triton_attention.paged_attention
+    monkeypatch.setattr(triton_attention, "paged_attention",
+                        lambda *a, **kw: real(*a, **kw) * 1.01)
+    assert "differs from the reference" in check_against_reference(
+        backend, spec, torch.device("cpu"), torch.float32, torch.float32)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel image for this GPU")
+
+    monkeypatch.setattr(triton_attention, "paged_attention", broken)
+    assert "no kernel image" in check_against_reference(
+        backend, spec, torch.device("cpu"), torch.float32, torch.float32)
+
+
+def test_runner_falls_back_to_the_reference_when_the_kernels_fail(tiny_models, monkeypatch):
+    """An explicit "triton" that fails its start-up check raises; "auto" (the CUDA default)
+    warns and runs the torch backend without graphs."""
+    from engine.helpers import make_engine
+
+    from loom.kernels import triton_attention
+
+    folder, _ = tiny_models["gemma3"]
+    engine = make_engine(folder, attention_backend="triton", cuda_graph_sizes=[1, 2],
+                         max_num_seqs=2, max_model_len=64)
+    runner = engine.runner
+    assert runner.backend.name == "triton"
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel image for this GPU")
+
+    monkeypatch.setattr(triton_attention, "paged_attention", broken)
+    with pytest.raises(RuntimeError, match="triton attention backend fails"):
+        make_engine(folder, attention_backend="triton", max_model_len=64)
+    runner._check_triton("auto")
+    assert runner.backend.name == "torch"
