@@ -245,6 +245,8 @@ def paged_attention(
         BLOCK_Q=plan.block_q, BLOCK_M=block_m, BLOCK_D=block_d, PAGE=page, BLOCK_N=BLOCK_N,
         SOFTCAP=bool(softcap), WINDOW=bool(window), SINGLE_PART=single,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # Big tiles (prefill rows x a 256-wide head) over more warps: fewer registers each.
+        num_warps=8 if block_m * block_d >= 64 * 128 else 4,
     )
     if not single:
         _merge_parts[(num_rows,)](
