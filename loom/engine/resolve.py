@@ -168,6 +168,7 @@ def _build_model_parts(
         model_config, model, torch.device(device), torch_dtype(dtype), num_blocks, args.block_size,
         attention_backend=args.attention_backend, kv_cache_dtype=torch_dtype(kv_dtype),
         decode_graph_sizes=graph_sizes, max_model_len=max_model_len,
+        verify_tokens=None if speculative is None else speculative.num_speculative_tokens + 1,
     )
     if kv_transfer is not None:
         worker = create_connector(kv_transfer, config.kv_cache_spec, KVConnectorRole.WORKER)

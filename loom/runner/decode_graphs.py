@@ -3,17 +3,25 @@
 A step whose chunks are all single tokens (the steady state of generation) is launch-bound
 on a GPU: a small model's forward is ~1,500 kernel launches and a few ms of GPU work. So such
 steps run a graph captured at start-up for the smallest bucket (1, 2, 4, 8, 16, 24, 32, ...)
-that holds the batch, padded with dummy rows:
+that holds the batch, padded with dummy rows. With speculative decoding a second runner does
+the same for verification steps, every sequence given T = k + 1 token slots (its last token
+and up to k drafts, the rest padding):
 
-    static buffers (one device tensor, views per field; rows past the batch are padding)
-        input_ids [B]  positions [B]  slot_mapping [B]  seq_lens [B]  block_tables [B, M]
-    per step: fill the pinned host copy, one non-blocking copy to the device, replay.
+    static buffers (one device tensor, views per field; slots past a sequence's tokens and
+    sequences past the batch are padding)
+        input_ids [B*T]  positions [B*T]  slot_mapping [B*T]  logit_rows [B*T]
+        seq_lens [B]     block_tables [B, M]
+    per step: fill the pinned host copy, one non-blocking copy to the device, replay, and
+    gather the real tokens' logits rows.
 
-A padding row is a one-token sequence at position 0 whose K/V go to the pad block, a block
-the runner allocates past the pool (the block pool never hands it out), so padding writes
-nothing a sequence reads. The attention plan (work items, key parts) of each bucket is fixed
-at capture, which the Triton backend's kernels allow: their launch shapes depend on nothing
-else. Everything a graph reads that changes per step lives in the static buffers.
+Sequence i owns token slots [i*T, (i+1)*T); its chunk of n <= T tokens fills the first n at
+positions start..start+n-1 and padding tokens continue the positions, so the kernels see a
+chunk of T tokens ending at start + T. A real token at position p attends to keys <= p only,
+which are its own; padding tokens write their K/V to the pad block, a block the runner
+allocates past the pool (the block pool never hands it out), and the table entries past a
+sequence's blocks point there too, so padding reads and writes nothing a sequence owns. The
+attention plan (work items, key parts) of each bucket is fixed at capture, which the Triton
+backend's kernels allow: their launch shapes depend on nothing else.
 
 Where CUDA graphs are unavailable (the CPU, in tests) `capture=False` keeps the same buffers,
 padding and plans and calls the forward eagerly instead of replaying, so everything but the
@@ -25,7 +33,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
 
 from loom.attention import AttentionMetadata, forward_context
@@ -36,8 +46,10 @@ from loom.models.config import ModelConfig
 
 logger = logging.getLogger("loom")
 
-# Fields of the static int64 buffer, in order; block_tables follows them.
-_FIELDS = ("input_ids", "positions", "slot_mapping", "seq_lens")
+# Fields of the static int64 buffer with one entry per token slot, then per sequence;
+# block_tables follows them.
+_TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "logit_rows")
+_SEQ_FIELDS = ("seq_lens",)
 
 
 def graph_batch_sizes(max_num_seqs: int, requested: list[int] | None = None) -> list[int]:
@@ -54,7 +66,9 @@ def graph_batch_sizes(max_num_seqs: int, requested: list[int] | None = None) -> 
 
 
 class DecodeGraphRunner:
-    """Runs all-decode steps of up to max(sizes) sequences from per-bucket graphs."""
+    """Runs steps of up to max(sizes) sequences of at most `tokens_per_seq` tokens each, all
+    needing every token's logits (decodes: 1 token; verification: the last token and its
+    drafts), from per-bucket graphs."""
 
     def __init__(
         self,
@@ -67,6 +81,7 @@ class DecodeGraphRunner:
         max_model_len: int,
         sizes: list[int],
         capture: bool,
+        tokens_per_seq: int = 1,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
@@ -75,19 +90,24 @@ class DecodeGraphRunner:
         self.pad_block = pad_block
         self.sizes = sorted(sizes)
         self.capture_graphs = capture
+        self.tokens_per_seq = tokens_per_seq
         self.max_blocks = -(-max_model_len // block_size)
+        # Table columns past a sequence's last block that padding tokens may reach.
+        self._spare_cols = -(-tokens_per_seq // block_size) + 1
         device = kv_caches[0].device
         self.device = device
         batch = self.sizes[-1]
-        width = len(_FIELDS) * batch + batch * self.max_blocks
-        self._host = torch.zeros(width, dtype=torch.int64,
-                                 pin_memory=device.type == "cuda")
+        slots = batch * tokens_per_seq
+        self._widths = [slots] * len(_TOKEN_FIELDS) + [batch] * len(_SEQ_FIELDS)
+        self._table_cols = self.max_blocks + self._spare_cols
+        width = sum(self._widths) + batch * self._table_cols
+        self._host = torch.zeros(width, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._host_np = self._host.numpy()  # the same memory
         self._device = torch.zeros(width, dtype=torch.int64, device=device)
-        views = {name: self._device[i * batch:(i + 1) * batch] for i, name in enumerate(_FIELDS)}
-        self._input_ids, self._positions = views["input_ids"], views["positions"]
-        self._slots, self._seq_lens = views["slot_mapping"], views["seq_lens"]
-        self._tables = self._device[len(_FIELDS) * batch:].view(batch, self.max_blocks)
+        (self._input_ids, self._positions, self._slots, self._rows, self._seq_lens,
+         self._tables) = self._views(self._device)
         self._query_start = torch.arange(batch + 1, dtype=torch.int64, device=device)
+        self._query_start *= tokens_per_seq
         self._group = model_config.num_heads // model_config.num_kv_heads
         self._num_kv_heads = model_config.num_kv_heads
         self._max_model_len = max_model_len
@@ -97,6 +117,17 @@ class DecodeGraphRunner:
         # Marks when the last step's inputs left the pinned host buffer (CUDA only): the
         # next step waits for it before rewriting the buffer.
         self._copied = torch.cuda.Event() if capture else None
+
+    def _views(self, buffer: Any) -> tuple[Any, ...]:
+        """The fields of the static buffer (the device tensor, or the host copy as a numpy
+        array: element writes from Python are ~10x cheaper there), in _TOKEN_FIELDS,
+        _SEQ_FIELDS order, then the block tables [B, columns]."""
+        fields, at = [], 0
+        for width in self._widths:
+            fields.append(buffer[at:at + width])
+            at += width
+        tables = buffer[at:].reshape(self.sizes[-1], self._table_cols)
+        return (*fields, tables)
 
     # ---- capture -------------------------------------------------------------------------
 
@@ -115,30 +146,34 @@ class DecodeGraphRunner:
                         self.sizes, time.perf_counter() - began)
 
     def _metadata(self, size: int) -> AttentionMetadata:
-        from loom.kernels.triton_attention import AttentionPlan, parts_for
+        from loom.kernels.triton_attention import AttentionPlan, block_q_for, parts_for
 
+        tokens = size * self.tokens_per_seq
         md = AttentionMetadata(
-            slot_mapping=self._slots[:size], positions=self._positions[:size],
+            slot_mapping=self._slots[:tokens], positions=self._positions[:tokens],
             query_start_loc=self._query_start[:size + 1], seq_lens=self._seq_lens[:size],
             block_tables=self._tables[:size], block_size=self.block_size,
-            query_lens_list=[1] * size, seq_lens_list=[self._max_model_len] * size,
+            query_lens_list=[self.tokens_per_seq] * size,
+            seq_lens_list=[self._max_model_len] * size,
         )
         # Parts sized for the longest context: each sequence splits its own keys into
         # that many, so a short one is split as finely as a long one.
         parts = self.backend.num_parts or parts_for(
             size, self._num_kv_heads, self._max_model_len, self.backend.target_programs)
-        plan = AttentionPlan(
+        plan = AttentionPlan(  # one work item per sequence, covering its token slots
             work_seq=torch.arange(size, dtype=torch.int32, device=self.device),
             work_qoff=torch.zeros(size, dtype=torch.int32, device=self.device),
-            block_q=1, num_parts=parts,
+            block_q=block_q_for(self.tokens_per_seq, self._group), num_parts=parts,
         )
+        assert plan.block_q >= self.tokens_per_seq
         md.plan_cache[self.backend.plan_key(self._group, self._num_kv_heads)] = plan
         return md
 
     def _prepare(self, size: int) -> Callable[[], torch.Tensor]:
         md = self._metadata(size)
         plans = dict(md.plan_cache)
-        ids, positions = self._input_ids[:size], self._positions[:size]
+        tokens = size * self.tokens_per_seq
+        ids, positions = self._input_ids[:tokens], self._positions[:tokens]
 
         def forward() -> torch.Tensor:
             # Layers memoise per-step values (rotary tables) in plan_cache: start each run
@@ -173,12 +208,14 @@ class DecodeGraphRunner:
     # ---- steps -----------------------------------------------------------------------------
 
     def applies(self, chunks: list[ScheduledChunk]) -> bool:
-        """Whether a graph can run these chunks: one new token and one logit row each, no
-        more sequences than the largest bucket, contexts within max_model_len."""
+        """Whether a graph can run these chunks: at most tokens_per_seq tokens each, every
+        one needing its logits row, no more sequences than the largest bucket, contexts
+        within max_model_len."""
         return (
             bool(self._steps)
             and 0 < len(chunks) <= self.sizes[-1]
-            and all(len(c.token_ids) == 1 and c.num_logits == 1
+            and all(0 < len(c.token_ids) <= self.tokens_per_seq
+                    and c.num_logits == len(c.token_ids)
                     and len(c.block_ids) <= self.max_blocks for c in chunks)
         )
 
@@ -187,42 +224,56 @@ class DecodeGraphRunner:
         return next(s for s in self.sizes if s >= batch)
 
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits [len(chunks), V] of an all-decode step (check `applies` first)."""
+        """Logits [tokens, V] of the chunks' tokens in order (check `applies` first)."""
         size = self.bucket(len(chunks))
         if self._copied is not None:
             # Usually long done (the last step's tokens came back); not so after a step that
             # only stored logits (a one-token session prefill), which copied nothing back.
             self._copied.synchronize()
-        self._write_chunks(chunks)
+        num_rows = self._write_chunks(chunks)
         self._write_padding(len(chunks), size)
         self._device.copy_(self._host, non_blocking=True)  # the step's one input copy
         if self._copied is not None:
             self._copied.record()
         self.steps_run += 1
-        return self._steps[size]()[: len(chunks)]
+        logits = self._steps[size]()
+        if self.tokens_per_seq == 1:
+            return logits[:num_rows]
+        return logits.index_select(0, self._rows[:num_rows])
 
-    def _host_views(self) -> tuple[torch.Tensor, ...]:
-        batch = self.sizes[-1]
-        fields = [self._host[i * batch:(i + 1) * batch] for i in range(len(_FIELDS))]
-        tables = self._host[len(_FIELDS) * batch:].view(batch, self.max_blocks)
-        return (*fields, tables)
-
-    def _write_chunks(self, chunks: list[ScheduledChunk]) -> None:
-        ids, positions, slots, seq_lens, tables = self._host_views()
-        bs = self.block_size
-        for row, c in enumerate(chunks):
-            pos = c.start_pos
-            ids[row] = c.token_ids[0]
-            positions[row] = pos
-            slots[row] = c.block_ids[pos // bs] * bs + pos % bs
-            seq_lens[row] = pos + 1
-            tables[row, : len(c.block_ids)] = torch.tensor(c.block_ids, dtype=torch.int64)
+    def _write_chunks(self, chunks: list[ScheduledChunk]) -> int:
+        """Fill the host buffer's rows of the chunks; returns how many logits rows they need."""
+        ids, positions, slots, rows, seq_lens, tables = self._views(self._host_np)
+        bs, per_seq = self.block_size, self.tokens_per_seq
+        pad_slot = self.pad_block * bs
+        num_rows = 0
+        for i, c in enumerate(chunks):
+            first = i * per_seq
+            for j in range(per_seq):
+                pos = c.start_pos + j
+                positions[first + j] = pos
+                if j < len(c.token_ids):
+                    ids[first + j] = c.token_ids[j]
+                    slots[first + j] = c.block_ids[pos // bs] * bs + pos % bs
+                    rows[num_rows] = first + j
+                    num_rows += 1
+                else:  # padding: its K/V go to the pad block
+                    ids[first + j] = 0
+                    slots[first + j] = pad_slot + j % bs
+            seq_lens[i] = c.start_pos + per_seq
+            n = len(c.block_ids)
+            tables[i, :n] = c.block_ids
+            tables[i, n:n + self._spare_cols] = self.pad_block
+        return num_rows
 
     def _write_padding(self, start: int, end: int) -> None:
-        """Rows [start, end): one-token sequences at position 0 in the pad block."""
-        ids, positions, slots, seq_lens, tables = self._host_views()
-        ids[start:end] = 0
-        positions[start:end] = 0
-        slots[start:end] = self.pad_block * self.block_size
-        seq_lens[start:end] = 1
-        tables[start:end, 0] = self.pad_block
+        """Sequences [start, end): padding tokens at positions 0.. in the pad block."""
+        ids, positions, slots, _, seq_lens, tables = self._views(self._host_np)
+        per_seq, bs = self.tokens_per_seq, self.block_size
+        lo, hi = start * per_seq, end * per_seq
+        offsets = np.arange(hi - lo) % per_seq
+        ids[lo:hi] = 0
+        positions[lo:hi] = offsets
+        slots[lo:hi] = self.pad_block * bs + offsets % bs
+        seq_lens[start:end] = per_seq
+        tables[start:end, : self._spare_cols] = self.pad_block

@@ -24,6 +24,10 @@ from loom.runner.decode_graphs import DecodeGraphRunner
 
 logger = logging.getLogger("loom")
 
+# Largest batch whose verification steps (speculative decoding) replay a graph: drafting
+# pays at small batches, and each bucket keeps (batch x tokens) rows of logits.
+_VERIFY_MAX_BATCH = 8
+
 
 def kv_cache_bytes_per_block(
     model_config: ModelConfig, block_size: int, dtype: torch.dtype
@@ -48,11 +52,13 @@ class ModelRunner:
         kv_cache_dtype: torch.dtype | None = None,
         decode_graph_sizes: list[int] | None = None,
         max_model_len: int | None = None,
+        verify_tokens: int | None = None,
     ) -> None:
         """`decode_graph_sizes`: run all-decode steps of up to that many sequences from
         per-bucket graphs over static buffers (loom.runner.decode_graphs), captured as CUDA
         graphs on CUDA; needs the triton attention backend and `max_model_len`; None: every
-        step runs eagerly."""
+        step runs eagerly. `verify_tokens` (speculative decoding: 1 + the drafts per step)
+        adds graphs for verification steps of up to _VERIFY_MAX_BATCH sequences."""
         self.model_config = model_config
         self.model = model
         self.device = torch.device(device)
@@ -73,6 +79,7 @@ class ModelRunner:
         )
         self.kv_connector: Any = None  # the worker half of a KV connector (loom.kv_connector)
         self.decode_graphs: DecodeGraphRunner | None = None
+        self.verify_graphs: DecodeGraphRunner | None = None
         if graphs:
             assert isinstance(self.backend, TritonAttentionBackend) and max_model_len
             self.decode_graphs = DecodeGraphRunner(
@@ -81,6 +88,14 @@ class ModelRunner:
                 capture=self.device.type == "cuda",
             )
             self.decode_graphs.capture_all()
+            verify_sizes = [n for n in graphs if n <= _VERIFY_MAX_BATCH] or graphs[:1]
+            if verify_tokens and verify_tokens > 1:
+                self.verify_graphs = DecodeGraphRunner(
+                    model, model_config, self.kv_caches, self.backend, block_size,
+                    pad_block=num_blocks, max_model_len=max_model_len, sizes=verify_sizes,
+                    capture=self.device.type == "cuda", tokens_per_seq=verify_tokens,
+                )
+                self.verify_graphs.capture_all()
 
     def _check_triton(self, requested: str) -> None:
         """Check the Triton kernels on this device against the reference once; where they
@@ -166,9 +181,10 @@ class ModelRunner:
         vocab = self.model_config.vocab_size
         if not chunks:
             return torch.empty((0, vocab), dtype=torch.float32, device=self.device)
-        graphs = self.decode_graphs
-        if graphs is not None and self.kv_connector is None and graphs.applies(chunks):
-            return graphs.run(chunks)
+        if self.kv_connector is None:
+            for graphs in (self.decode_graphs, self.verify_graphs):
+                if graphs is not None and graphs.applies(chunks):
+                    return graphs.run(chunks)
         metadata = self.build_metadata(chunks)
         input_ids = torch.tensor(
             [t for c in chunks for t in c.token_ids], dtype=torch.int64

@@ -104,23 +104,32 @@ def test_graph_session_equals_fresh_forward(tiny_models):
 
 
 def test_speculative_verification_through_triton_equals_transformers(tiny_models):
-    """n-gram drafts on the Triton backend: verification chunks of up to k + 1 tokens go
-    through the kernel eagerly (several query tokens per work item), plain decode steps
-    through the graphs; greedy tokens equal transformers'."""
+    """n-gram drafts on the Triton backend: verification steps (up to k + 1 tokens a
+    sequence, padded to k + 1 slots) replay their own graphs, plain decode steps theirs;
+    greedy tokens equal transformers', and tokens and logprobs equal the eager path's."""
     from tiny_reference import hf_greedy
 
     folder, hf = tiny_models["gemma3"]
-    engine = make_engine(folder, device=DEVICE, max_num_seqs=4, max_model_len=96,
-                         attention_backend="triton", cuda_graph_sizes=[1, 2, 4],
-                         speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                             "prompt_lookup_min": 1})
     cycle = prompt_ids(5, 4)
-    prompts = [[cycle[i % 5] for i in range(20)], prompt_ids(13, 9)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"s{i}", p, params)
-    outs = run_to_completion(engine)
-    for i, p in enumerate(prompts):
-        assert list(outs[f"s{i}"].outputs[0].token_ids) == hf_greedy(hf, p, 12)
-    assert engine.speculator.num_accepted > 0
-    assert engine.kv_pool_all_free
+    prompts = [[cycle[i % 5] for i in range(20)], prompt_ids(13, 9), prompt_ids(6, 2)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    results = []
+    for eager in (False, True):
+        engine = make_engine(folder, device=DEVICE, max_num_seqs=4, max_model_len=96,
+                             attention_backend="triton", cuda_graph_sizes=[1, 2, 4],
+                             speculative_config=spec, enforce_eager=eager)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"s{i}", p, params)
+        outs = run_to_completion(engine)
+        results.append([outs[f"s{i}"].outputs[0] for i in range(len(prompts))])
+        assert engine.speculator.num_accepted > 0
+        assert engine.kv_pool_all_free
+        if not eager:
+            verify = engine.runner.verify_graphs
+            assert verify is not None and verify.tokens_per_seq == 4 and verify.steps_run > 0
+    for p, graph, eager in zip(prompts, *results, strict=True):
+        assert list(graph.token_ids) == list(eager.token_ids) == hf_greedy(hf, p, 12)
+        graph_lps = [lp[t] for t, lp in zip(graph.token_ids, graph.logprobs, strict=True)]
+        eager_lps = [lp[t] for t, lp in zip(eager.token_ids, eager.logprobs, strict=True)]
+        assert graph_lps == pytest.approx(eager_lps, abs=1e-5)
