@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,10 @@ import torch
 from tiny_reference import TINY_ARCHS, build_tiny_model
 
 CUDA = torch.cuda.is_available()
+# Without a GPU, Triton kernels (the CUDA attention backend) run in Triton's interpreter. Set
+# before any test imports them: a kernel module decorated without it cannot run on a CPU.
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=[

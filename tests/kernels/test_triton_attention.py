@@ -1,24 +1,23 @@
 """The Triton paged-attention kernels against the torch reference backend.
 
-On a machine without CUDA they run in Triton's interpreter (TRITON_INTERPRET=1, set before
-Triton is imported), at small sizes; with CUDA they run compiled on the GPU as well."""
+On a machine without CUDA they run in Triton's interpreter (TRITON_INTERPRET=1, which
+tests/conftest.py sets before anything imports Triton), at small sizes; with CUDA they run
+compiled on the GPU instead."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from loom.attention import AttentionMetadata, AttentionSpec, TorchAttentionBackend
 from loom.attention.triton_backend import TritonAttentionBackend
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# Where the kernels run: compiled on a GPU where there is one, else in the interpreter.
+DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 
 
 def _step(seed: int, spec: AttentionSpec, chunks: list[tuple[int, int]], block_size: int,
@@ -104,22 +103,22 @@ def test_start_up_check_passes_and_catches_broken_kernels(monkeypatch):
 
     spec = AttentionSpec(4, 1, 32, 32 ** -0.5, 12, None)
     backend = TritonAttentionBackend()
-    assert check_against_reference(backend, spec, torch.device("cpu"), torch.float32,
+    assert check_against_reference(backend, spec, torch.device(DEVICES[0]), torch.float32,
                                    torch.float32) is None
-    assert check_against_reference(backend, spec, torch.device("cpu"), torch.float32,
+    assert check_against_reference(backend, spec, torch.device(DEVICES[0]), torch.float32,
                                    torch.float16) is None
     real = triton_attention.paged_attention
     monkeypatch.setattr(triton_attention, "paged_attention",
                         lambda *a, **kw: real(*a, **kw) * 1.01)
     assert "differs from the reference" in check_against_reference(
-        backend, spec, torch.device("cpu"), torch.float32, torch.float32)
+        backend, spec, torch.device(DEVICES[0]), torch.float32, torch.float32)
 
     def broken(*args, **kwargs):
         raise RuntimeError("no kernel image for this GPU")
 
     monkeypatch.setattr(triton_attention, "paged_attention", broken)
     assert "no kernel image" in check_against_reference(
-        backend, spec, torch.device("cpu"), torch.float32, torch.float32)
+        backend, spec, torch.device(DEVICES[0]), torch.float32, torch.float32)
 
 
 def test_runner_falls_back_to_the_reference_when_the_kernels_fail(tiny_models, monkeypatch):
@@ -131,7 +130,7 @@ def test_runner_falls_back_to_the_reference_when_the_kernels_fail(tiny_models, m
 
     folder, _ = tiny_models["gemma3"]
     engine = make_engine(folder, attention_backend="triton", cuda_graph_sizes=[1, 2],
-                         max_num_seqs=2, max_model_len=64)
+                         max_num_seqs=2, max_model_len=64, device=DEVICES[0])
     runner = engine.runner
     assert runner.backend.name == "triton"
 
@@ -140,6 +139,6 @@ def test_runner_falls_back_to_the_reference_when_the_kernels_fail(tiny_models, m
 
     monkeypatch.setattr(triton_attention, "paged_attention", broken)
     with pytest.raises(RuntimeError, match="triton attention backend fails"):
-        make_engine(folder, attention_backend="triton", max_model_len=64)
+        make_engine(folder, attention_backend="triton", max_model_len=64, device=DEVICES[0])
     runner._check_triton("auto")
     assert runner.backend.name == "torch"

@@ -7,13 +7,9 @@ of the path but the capture is exercised; with CUDA the same tests capture real 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from engine.helpers import make_engine, prompt_ids, run_to_completion
