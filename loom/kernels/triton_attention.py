@@ -51,12 +51,12 @@ def _tanh(x):
 @triton.jit
 def _attend_part(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, q_start_ptr, work_seq_ptr, work_qoff_ptr,
-    out_ptr, acc_ptr, m_ptr, l_ptr,
+    real_lens_ptr, out_ptr, acc_ptr, m_ptr, l_ptr,
     scale, softcap, window, num_rows, max_blocks,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-    SINGLE_PART: tl.constexpr, PRECISION: tl.constexpr,
+    SINGLE_PART: tl.constexpr, PRECISION: tl.constexpr, PADDED: tl.constexpr,
 ):
     w = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -66,11 +66,17 @@ def _attend_part(
     t0 = tl.load(q_start_ptr + seq)
     q_len = tl.load(q_start_ptr + seq + 1) - t0
     first_pos = tl.load(seq_lens_ptr + seq) - q_len
+    # With padding (CUDA graph steps), only the first real_lens[seq] tokens of the chunk are
+    # real: the rest are neither computed nor read as keys, so no row ever reads a slot no
+    # step wrote (the pool is not zeroed, and 0 x NaN would spoil a whole tile).
+    n_real = q_len
+    if PADDED:
+        n_real = tl.load(real_lens_ptr + seq)
 
     # Row r of the tile: query token qoff + r // GROUP, head kvh * GROUP + r % GROUP.
     rows = tl.arange(0, BLOCK_M)
     qi = qoff + rows // GROUP
-    row_ok = (rows < BLOCK_Q * GROUP) & (qi < q_len)
+    row_ok = (rows < BLOCK_Q * GROUP) & (qi < n_real)
     pos = first_pos + qi
     flat_row = (t0 + qi) * NUM_HEADS + kvh * GROUP + rows % GROUP  # row of [T * H, D]
     d = tl.arange(0, BLOCK_D)
@@ -80,7 +86,7 @@ def _attend_part(
 
     # Keys any row of the tile can see: [lo, last_pos], split into equal parts of whole
     # BLOCK_N tiles; this program takes part `part`: [k_lo, k_hi).
-    last_pos = first_pos + tl.minimum(qoff + BLOCK_Q, q_len) - 1
+    last_pos = first_pos + tl.minimum(qoff + BLOCK_Q, n_real) - 1
     lo = first_pos * 0
     if WINDOW:
         lo = tl.maximum(lo, first_pos + qoff - window + 1)
@@ -158,12 +164,15 @@ class AttentionPlan:
 
     work_seq / work_qoff: [W] int32 on the device, the sequence and first query token of each
     work item; block_q: query tokens per item; num_parts: how many parts each item's keys are
-    split into (each item sizes its parts from its own length)."""
+    split into (each item sizes its parts from its own length); real_lens: [S] int64, where
+    chunks are padded (CUDA graph steps), how many of each chunk's tokens are real (0 for a
+    padding sequence), else None."""
 
     work_seq: torch.Tensor
     work_qoff: torch.Tensor
     block_q: int
     num_parts: int
+    real_lens: torch.Tensor | None = None
 
 
 def _next_pow2(n: int) -> int:
@@ -239,12 +248,15 @@ def paged_attention(
     grid = (plan.work_seq.shape[0], num_kv_heads, plan.num_parts)
     _attend_part[grid](
         q, kv_cache[0], kv_cache[1], block_tables, seq_lens, query_start,
-        plan.work_seq, plan.work_qoff, out, acc, m, lsum,
+        plan.work_seq, plan.work_qoff,
+        seq_lens if plan.real_lens is None else plan.real_lens,  # unread unless PADDED
+        out, acc, m, lsum,
         scale, softcap or 1.0, window or 0, num_rows, block_tables.shape[1],
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, GROUP=group,
         BLOCK_Q=plan.block_q, BLOCK_M=block_m, BLOCK_D=block_d, PAGE=page, BLOCK_N=BLOCK_N,
         SOFTCAP=bool(softcap), WINDOW=bool(window), SINGLE_PART=single,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PADDED=plan.real_lens is not None,
         # Big tiles (prefill rows x a 256-wide head) over more warps: fewer registers each.
         num_warps=8 if block_m * block_d >= 64 * 128 else 4,
     )

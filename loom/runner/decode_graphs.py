@@ -10,16 +10,17 @@ and up to k drafts, the rest padding):
     static buffers (one device tensor, views per field; slots past a sequence's tokens and
     sequences past the batch are padding)
         input_ids [B*T]  positions [B*T]  slot_mapping [B*T]  logit_rows [B*T]
-        seq_lens [B]     block_tables [B, M]
+        seq_lens [B]     real_lens [B]    block_tables [B, M]
     per step: fill the pinned host copy, one non-blocking copy to the device, replay, and
     gather the real tokens' logits rows.
 
 Sequence i owns token slots [i*T, (i+1)*T); its chunk of n <= T tokens fills the first n at
 positions start..start+n-1 and padding tokens continue the positions, so the kernels see a
-chunk of T tokens ending at start + T. A real token at position p attends to keys <= p only,
-which are its own; padding tokens write their K/V to the pad block, a block the runner
-allocates past the pool (the block pool never hands it out), and the table entries past a
-sequence's blocks point there too, so padding reads and writes nothing a sequence owns. The
+chunk of T tokens ending at start + T, of which `real_lens[i]` = n are real (0 for a padding
+sequence): the attention kernel computes only those and reads keys only up to the last, so
+nothing reads a slot no step wrote. Padding tokens write their K/V to the pad block, a block
+the runner allocates past the pool (the block pool never hands it out), and the table
+entries past a sequence's blocks point there too, so padding writes nothing a sequence owns. The
 attention plan (work items, key parts) of each bucket is fixed at capture, which the Triton
 backend's kernels allow: their launch shapes depend on nothing else.
 
@@ -49,7 +50,7 @@ logger = logging.getLogger("loom")
 # Fields of the static int64 buffer with one entry per token slot, then per sequence;
 # block_tables follows them.
 _TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "logit_rows")
-_SEQ_FIELDS = ("seq_lens",)
+_SEQ_FIELDS = ("seq_lens", "real_lens")
 
 
 def graph_batch_sizes(max_num_seqs: int, requested: list[int] | None = None) -> list[int]:
@@ -105,7 +106,7 @@ class DecodeGraphRunner:
         self._host_np = self._host.numpy()  # the same memory
         self._device = torch.zeros(width, dtype=torch.int64, device=device)
         (self._input_ids, self._positions, self._slots, self._rows, self._seq_lens,
-         self._tables) = self._views(self._device)
+         self._real_lens, self._tables) = self._views(self._device)
         self._query_start = torch.arange(batch + 1, dtype=torch.int64, device=device)
         self._query_start *= tokens_per_seq
         self._group = model_config.num_heads // model_config.num_kv_heads
@@ -164,6 +165,7 @@ class DecodeGraphRunner:
             work_seq=torch.arange(size, dtype=torch.int32, device=self.device),
             work_qoff=torch.zeros(size, dtype=torch.int32, device=self.device),
             block_q=block_q_for(self.tokens_per_seq, self._group), num_parts=parts,
+            real_lens=self._real_lens[:size],
         )
         assert plan.block_q >= self.tokens_per_seq
         md.plan_cache[self.backend.plan_key(self._group, self._num_kv_heads)] = plan
@@ -243,7 +245,7 @@ class DecodeGraphRunner:
 
     def _write_chunks(self, chunks: list[ScheduledChunk]) -> int:
         """Fill the host buffer's rows of the chunks; returns how many logits rows they need."""
-        ids, positions, slots, rows, seq_lens, tables = self._views(self._host_np)
+        ids, positions, slots, rows, seq_lens, real_lens, tables = self._views(self._host_np)
         bs, per_seq = self.block_size, self.tokens_per_seq
         pad_slot = self.pad_block * bs
         num_rows = 0
@@ -261,6 +263,7 @@ class DecodeGraphRunner:
                     ids[first + j] = 0
                     slots[first + j] = pad_slot + j % bs
             seq_lens[i] = c.start_pos + per_seq
+            real_lens[i] = len(c.token_ids)
             n = len(c.block_ids)
             tables[i, :n] = c.block_ids
             tables[i, n:n + self._spare_cols] = self.pad_block
@@ -268,7 +271,7 @@ class DecodeGraphRunner:
 
     def _write_padding(self, start: int, end: int) -> None:
         """Sequences [start, end): padding tokens at positions 0.. in the pad block."""
-        ids, positions, slots, _, seq_lens, tables = self._views(self._host_np)
+        ids, positions, slots, _, seq_lens, real_lens, tables = self._views(self._host_np)
         per_seq, bs = self.tokens_per_seq, self.block_size
         lo, hi = start * per_seq, end * per_seq
         offsets = np.arange(hi - lo) % per_seq
@@ -276,4 +279,5 @@ class DecodeGraphRunner:
         positions[lo:hi] = offsets
         slots[lo:hi] = self.pad_block * bs + offsets % bs
         seq_lens[start:end] = per_seq
+        real_lens[start:end] = 0  # attention skips them entirely
         tables[start:end, : self._spare_cols] = self.pad_block

@@ -4,91 +4,102 @@ Triton compiles ahead of time for a named target with the ptxas it bundles, so a
 that would not build on an H100 (a type error, a tile tl.dot rejects, too much shared
 memory) fails here, on a CPU-only machine, not first on a user's GPU. The launch
 configurations `paged_attention` makes for the default model's shapes (decode tiles split
-into parts with windows, prefill tiles in one part with soft-capping; float32, float32 over
-a float16 cache, bfloat16) and the merge kernel are compiled for sm_90."""
+into parts, with windows and graph padding; prefill tiles in one part, with soft-capping;
+float32, float32 over a float16 cache, bfloat16) and the merge kernel are compiled for
+sm_90.
+
+The compiles run in a child process without TRITON_INTERPRET: the suite runs Triton's
+interpreter on a CPU (conftest), and under it Triton's own helpers (tl.cdiv, tl.sum, ...)
+are interpreted functions that compiled code cannot call."""
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import os
+import subprocess
 import sys
 
 import pytest
 
 pytest.importorskip("triton")
 
+# (q dtype, cache dtype, query tokens per work item): decode (1) and prefill (16) tiles.
+KERNEL_CONFIGS = [("fp32", "fp32", 1), ("fp32", "fp32", 16), ("fp32", "fp16", 1),
+                  ("bf16", "bf16", 1), ("bf16", "bf16", 16)]
+MERGE_DTYPES = ["fp32", "bf16"]
+
+_CHILD = r'''
+import json, sys, warnings
+warnings.filterwarnings("ignore")
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from loom.kernels import triton_attention as ta
 
-pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
-
-
-def _jit_copy_of_kernels():
-    """A copy of loom.kernels.triton_attention whose kernels are JIT functions (what
-    compiles): the tests run Triton's interpreter on a CPU (conftest), under which the
-    module's own kernels are interpreted functions, which do not compile."""
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0"
-    try:
-        source = importlib.util.find_spec("loom.kernels.triton_attention").origin
-        spec = importlib.util.spec_from_file_location("loom_triton_attention_compiled", source)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclass looks its module up there
-        spec.loader.exec_module(module)
-    finally:
-        if before is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-    return module
+H100, HEAD_DIM, GROUP = GPUTarget("cuda", 90, 32), 256, 4
 
 
-ta = _jit_copy_of_kernels()
-
-H100 = GPUTarget("cuda", 90, 32)
-HEAD_DIM = 256  # Gemma 3 270M
-
-
-def _compile(fn, signature: dict[str, str], constants: dict[str, object], warps: int):
-    """Compile `fn` for the H100 (the runtime arguments' types, then the constexprs)."""
+def compile_for_h100(fn, signature, constants, warps):
     full = {**signature, **dict.fromkeys(constants, "constexpr")}
     names = list(full)
     source = ASTSource(fn=fn, signature=full,
                        constexprs={(names.index(k),): v for k, v in constants.items()})
-    return triton.compile(source, target=H100, options={"num_warps": warps})
+    try:
+        kernel = triton.compile(source, target=H100, options={"num_warps": warps})
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"[:2000]
+    return "ok" if kernel.asm.get("cubin") else "no cubin"
 
 
-@pytest.mark.parametrize(("q_dtype", "kv_dtype", "block_q"), [
-    ("fp32", "fp32", 1), ("fp32", "fp32", 16), ("fp32", "fp16", 1),
-    ("bf16", "bf16", 1), ("bf16", "bf16", 16),
-])
-def test_attention_kernel_compiles_for_h100(q_dtype, kv_dtype, block_q):
+results = {}
+for q_dtype, kv_dtype, block_q in json.loads(sys.argv[1]):
+    block_m = max(ta.MIN_DOT, block_q * GROUP)
+    prefill = block_q > 1
+    assert block_q == ta.block_q_for(512 if prefill else 1, GROUP)  # what launches use
     signature = {
         "q_ptr": f"*{q_dtype}", "k_ptr": f"*{kv_dtype}", "v_ptr": f"*{kv_dtype}",
         "tables_ptr": "*i64", "seq_lens_ptr": "*i64", "q_start_ptr": "*i64",
-        "work_seq_ptr": "*i32", "work_qoff_ptr": "*i32", "out_ptr": f"*{q_dtype}",
-        "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "scale": "fp32",
-        "softcap": "fp32", "window": "i32", "num_rows": "i32", "max_blocks": "i32",
+        "work_seq_ptr": "*i32", "work_qoff_ptr": "*i32", "real_lens_ptr": "*i64",
+        "out_ptr": f"*{q_dtype}", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
+        "scale": "fp32", "softcap": "fp32", "window": "i32", "num_rows": "i32",
+        "max_blocks": "i32",
     }
-    group = 4
-    block_m = max(ta.MIN_DOT, block_q * group)
-    prefill = block_q > 1
     constants = dict(
-        NUM_HEADS=4, NUM_KV_HEADS=1, HEAD_DIM=HEAD_DIM, GROUP=group, BLOCK_Q=block_q,
+        NUM_HEADS=4, NUM_KV_HEADS=1, HEAD_DIM=HEAD_DIM, GROUP=GROUP, BLOCK_Q=block_q,
         BLOCK_M=block_m, BLOCK_D=HEAD_DIM, PAGE=16, BLOCK_N=ta.BLOCK_N, SOFTCAP=prefill,
         WINDOW=not prefill, SINGLE_PART=prefill,
-        PRECISION="ieee" if q_dtype == "fp32" else "tf32",
+        PRECISION="ieee" if q_dtype == "fp32" else "tf32", PADDED=not prefill,
     )
     warps = 8 if block_m * HEAD_DIM >= 64 * 128 else 4
-    assert block_q == ta.block_q_for(1 if block_q == 1 else 512, group)  # what launches use
-    kernel = _compile(ta._attend_part, signature, constants, warps)
-    assert kernel.asm.get("cubin")  # machine code for sm_90 was produced
-
-
-@pytest.mark.parametrize("out_dtype", ["fp32", "bf16"])
-def test_merge_kernel_compiles_for_h100(out_dtype):
+    results[f"attend {q_dtype} {kv_dtype} {block_q}"] = compile_for_h100(
+        ta._attend_part, signature, constants, warps)
+for out_dtype in json.loads(sys.argv[2]):
     signature = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
                  "out_ptr": f"*{out_dtype}", "num_rows": "i32", "num_parts": "i32"}
     constants = dict(HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM, BLOCK_P=ta.MAX_PARTS)
-    assert _compile(ta._merge_parts, signature, constants, 4).asm.get("cubin")
+    results[f"merge {out_dtype}"] = compile_for_h100(ta._merge_parts, signature, constants, 4)
+print(json.dumps(results))
+'''
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, str]:
+    """Every configuration compiled in one child process: name -> "ok" or the error."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(KERNEL_CONFIGS), json.dumps(MERGE_DTYPES)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize(("q_dtype", "kv_dtype", "block_q"), KERNEL_CONFIGS)
+def test_attention_kernel_compiles_for_h100(compiled, q_dtype, kv_dtype, block_q):
+    assert compiled[f"attend {q_dtype} {kv_dtype} {block_q}"] == "ok"
+
+
+@pytest.mark.parametrize("out_dtype", MERGE_DTYPES)
+def test_merge_kernel_compiles_for_h100(compiled, out_dtype):
+    assert compiled[f"merge {out_dtype}"] == "ok"

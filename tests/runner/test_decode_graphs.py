@@ -33,9 +33,17 @@ def test_graph_batch_sizes():
         graph_batch_sizes(4, [8])
 
 
+def _poison(engine):
+    """Fill the KV pool with NaN: the pool is left unwritten (not zeroed) for these kernels, so
+    any read of a slot no step wrote would now spoil the outputs, not only by chance."""
+    for cache in engine.runner.kv_caches:
+        cache.fill_(float("nan"))
+
+
 def _generate(folder, prompts, **kwargs):
     """(engine, per prompt: [(token, its logprob)]) of greedy generation."""
     engine = make_engine(folder, device=DEVICE, max_num_seqs=8, max_model_len=64, **kwargs)
+    _poison(engine)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, LOGPROBS)
     outs = run_to_completion(engine)
@@ -79,6 +87,7 @@ def test_graph_session_equals_fresh_forward(tiny_models):
     engine = make_engine(folder, device=DEVICE, max_num_seqs=4, max_model_len=96,
                          attention_backend="triton", cuda_graph_sizes=[1, 2, 4],
                          max_num_batched_tokens=8)
+    _poison(engine)
     engine.add_request("s", prompt_ids(11), GREEDY, session=True)
     engine.add_request("partner", prompt_ids(7, 2),
                        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
@@ -115,6 +124,7 @@ def test_speculative_verification_through_triton_equals_transformers(tiny_models
         engine = make_engine(folder, device=DEVICE, max_num_seqs=4, max_model_len=96,
                              attention_backend="triton", cuda_graph_sizes=[1, 2, 4],
                              speculative_config=spec, enforce_eager=eager)
+        _poison(engine)
         for i, p in enumerate(prompts):
             engine.add_request(f"s{i}", p, params)
         outs = run_to_completion(engine)
