@@ -121,9 +121,10 @@ def _default_variants() -> tuple[list[str], str | None]:
     runnable = runnable_variants()
     requested = os.environ.get(VARIANT_ENV)
     if requested:
-        if requested not in {v.name for v in VARIANTS}:
-            known = ", ".join(v.name for v in VARIANTS)
-            return [], f"{VARIANT_ENV}={requested} names no variant (known: {known})"
+        try:
+            variant_named(requested)
+        except ValueError as error:
+            return [], f"{VARIANT_ENV}={requested} names no variant ({error})"
         if requested not in runnable:
             return [], f"{VARIANT_ENV}={requested} needs CPU features this host lacks"
         return [requested], None
