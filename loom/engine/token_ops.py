@@ -67,14 +67,7 @@ class TokenOps:
                 failed.setdefault(seq.group_id, f"a logits processor of request "
                                   f"{seq.group_id!r} raised {type(error).__name__}: {error}")
                 if seq.is_session:
-                    if draft:
-                        seq.request.truncate(seq.request.num_tokens - len(draft))
-                        self.scheduler.truncate(seq.request, seq.request.num_tokens)
-                    seq.finish_reason = "error"
-                    self._end_segment(seq, RequestStatus.FINISHED_ABORTED)
-                    seq.last_logits = logits[first_row].clone()
-                    # Every token is computed (the step that produced these logits did it).
-                    self.scheduler.park(seq.request, RequestStatus.PAUSED)
+                    self._pause_failed_segment(seq, len(draft), logits[first_row])
                 first_row += num_rows
                 continue
             tokens = kept_tokens(result.token_ids[first_row : first_row + num_rows], draft)
@@ -89,6 +82,20 @@ class TokenOps:
                 self.scheduler.truncate(seq.request, seq.request.num_tokens)
             first_row += num_rows
         return failed
+
+    def _pause_failed_segment(
+        self: LLMEngine, seq: SequenceState, num_drafts: int, logits_row: torch.Tensor
+    ) -> None:
+        """End a session's segment whose logits processor raised: its drafts are dropped, it
+        takes no token and stays paused with `logits_row` (for `resample` or a `resume`)."""
+        if num_drafts:
+            seq.request.truncate(seq.request.num_tokens - num_drafts)
+            self.scheduler.truncate(seq.request, seq.request.num_tokens)
+        seq.finish_reason = "error"
+        self._end_segment(seq, RequestStatus.FINISHED_ABORTED)
+        seq.last_logits = logits_row.clone()
+        # Every token is computed (the step that produced these logits did it).
+        self.scheduler.park(seq.request, RequestStatus.PAUSED)
 
     def _advance(
         self: LLMEngine,
