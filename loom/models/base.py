@@ -47,6 +47,8 @@ class CausalLM(nn.Module):
         self.config = config
         self.model = body
         self.tie_embeddings = tie_embeddings
+        # embed_scale as a 0-d tensor per (dtype, device), made at first use.
+        self._embed_scales: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -77,12 +79,10 @@ class CausalLM(nn.Module):
     def _embed_scale_tensor(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The embedding scale as a 0-d tensor, made once per dtype and device: a copy from
         the host inside a forward would be a synchronisation (and break CUDA graph capture)."""
-        cache: dict[tuple[torch.dtype, torch.device], torch.Tensor] = self.__dict__.setdefault(
-            "_embed_scales", {})
         key = (dtype, device)
-        if key not in cache:
-            cache[key] = torch.tensor(self.embed_scale, dtype=dtype, device=device)
-        return cache[key]
+        if key not in self._embed_scales:
+            self._embed_scales[key] = torch.tensor(self.embed_scale, dtype=dtype, device=device)
+        return self._embed_scales[key]
 
     def invalidate_fused_decoder(self) -> None:
         """Forget the fused decoder (after weights changed); the next decode rebuilds it."""
