@@ -86,12 +86,14 @@ def _runnable_kernel_variants() -> list[str]:
 
 @pytest.fixture(params=_runnable_kernel_variants())
 def each_kernel_variant(request) -> str:
-    """Runs the test once per CPU kernel variant this host can execute (AVX2, AVX-512 VNNI).
-    Modules opt in with `pytestmark = pytest.mark.usefixtures("each_kernel_variant")`."""
-    from loom.kernels.build import use_variant
+    """Runs the test once per CPU kernel variant this host can execute (AVX2, AVX-VNNI,
+    AVX-512 VNNI), checking that the loaded library is that variant. Modules opt in with
+    `pytestmark = pytest.mark.usefixtures("each_kernel_variant")`."""
+    from loom.kernels.build import loaded_variant, use_variant
 
     if request.param == "none":
         yield request.param
         return
     with use_variant(request.param):
+        assert loaded_variant() == request.param
         yield request.param

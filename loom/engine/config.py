@@ -37,6 +37,11 @@ class EngineArgs:
     # "bfloat16" halve a float32 model's KV memory and the bytes decode attention reads (CPU
     # kernels read float16 natively).
     kv_cache_dtype: str = "auto"
+    # "auto": prefill chunks and large batches compute with the same arithmetic as decode;
+    # "bfloat16" multiplies them in bf16 (faster on CPUs with native bf16: AVX-512 BF16,
+    # AMX; float32 activations on a CPU only), giving up bit-identical logits across
+    # chunking, batching and caching; its KV is stored apart (loom.engine.mode).
+    prefill_dtype: str = "auto"
     # Speculative decoding, vLLM's form: {"method": "ngram", "num_speculative_tokens": 4,
     # "prompt_lookup_min": 2, "prompt_lookup_max": 4} (see loom.spec_decode.SpeculativeConfig).
     speculative_config: dict[str, Any] | None = None

@@ -1,4 +1,4 @@
-"""Which execution mode a model runs in: dtype, weight quantization and KV cache dtype.
+"""Which execution mode a model runs in: dtype, weight quantization, KV and prefill dtypes.
 
 `choose_mode` is a pure function of what the user asked for, what the weights are and what
 the host can do (`HostInfo`), so its rules are tested on any machine. The rules:
@@ -15,11 +15,14 @@ the host can do (`HostInfo`), so its rules are tested on any machine. The rules:
   BF16 / AMX hosts, emulated and several times slower on AVX2 ones), else float32.
 - `kv_cache_dtype="auto"`: float16 when "auto" chose w8a8 (decode attention reads half the
   bytes; quality measured in `bench_quality.py`), else the model dtype.
-- With `dtype="auto"` on the kernels, compute-bound calls of the decoder layers (prefill
-  chunks, large batches; int8 or float weights) multiply in bfloat16 where the CPU has native
-  bf16 (AVX-512 BF16, AMX: oneDNN's bf16 matmul) and it measures at least
-  `BF16_MIN_SPEEDUP` faster than float32 (`large_batch_dtype`); small calls (decode) keep the
-  float32 / int8 kernels. An explicit dtype computes every call in that dtype.
+- `prefill_dtype="auto"` (the default): compute-bound calls (prefill chunks, large batches)
+  use the same arithmetic as every other call (the default mode's bit-identity across
+  batching and chunking rests on it); bfloat16 prefill is never chosen for you.
+  `"bfloat16"` multiplies those calls of the decoder layers in bfloat16
+  (`large_batch_dtype`; int8 or float weights), faster where the CPU has native bf16
+  (AVX-512 BF16, AMX: oneDNN's bf16 matmul), while small calls (decode) keep the float32 /
+  int8 kernels: prefill and decode then compute with different arithmetic. It needs float32
+  activations on a CPU. `"float32"` or the model dtype mean the same as "auto".
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from loom.cpu_features import cpu_flags
 from loom.runner.loading import QUANTIZATIONS
 
 # A bf16 matmul must beat float32 by this factor before dtype="auto" picks bfloat16 on a CPU
-# (timings are noisy; a tie keeps the exact dtype and the fused float32 decode).
+# without the kernels (timings are noisy; a tie keeps the exact dtype).
 BF16_MIN_SPEEDUP = 1.25
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16",
                   "fp16": "float16", "half": "float16"}
@@ -96,7 +99,8 @@ class ExecutionMode:
     quantization: str | None
     kv_cache_dtype: str
     # The dtype the decoder layers multiply in for calls of many rows (prefill chunks, large
-    # batches: compute-bound; see `set_large_batch_dtype`); None: the model dtype.
+    # batches: compute-bound; see `set_large_batch_dtype`); None: the same arithmetic as
+    # every other call. Only an explicit `prefill_dtype` sets it.
     large_batch_dtype: str | None = None
 
     def describe(self, host: HostInfo) -> str:
@@ -128,33 +132,48 @@ def normalize_quantization(value: str | None) -> str | None:
 
 def choose_mode(
     dtype: str, quantization: str | None, kv_cache_dtype: str, weights_quantized: bool,
-    host: HostInfo,
+    host: HostInfo, prefill_dtype: str = "auto",
 ) -> ExecutionMode:
-    """Resolve the three "auto"s (see the module docstring). `dtype` and `kv_cache_dtype` are
-    returned as given when not "auto" (validation is the caller's)."""
+    """Resolve the "auto"s (see the module docstring). `dtype` and `kv_cache_dtype` are
+    returned as given when not "auto" (validation is the caller's); a `prefill_dtype` this
+    mode cannot use raises ValueError."""
     quant = normalize_quantization(quantization)
     on_cpu = host.device == "cpu"
     auto_quant = quant == "auto"
     if auto_quant:
         quant = "w8a8" if weights_quantized and on_cpu and host.cpu_kernels else None
     dtype = normalize_dtype(dtype)
-    auto_dtype = dtype == "auto"
-    if auto_dtype:
+    if dtype == "auto":
         if not on_cpu:
             dtype = "bfloat16" if host.cuda_bf16 else "float16"
         elif host.cpu_kernels:
-            dtype = "float32"  # the fused decode needs float32; prefill may still use bf16
+            dtype = "float32"  # the kernels take float32 activations
         else:
             dtype = "bfloat16" if host.bf16_ratio() >= BF16_MIN_SPEEDUP else "float32"
     kv = normalize_dtype(kv_cache_dtype)
     if kv == "auto":
         kv = "float16" if auto_quant and quant == "w8a8" else dtype
-    large = None
-    if (auto_dtype and on_cpu and host.cpu_kernels and dtype == "float32" and host.native_bf16
-            and host.bf16_ratio() >= BF16_MIN_SPEEDUP):
-        large = "bfloat16"
     return ExecutionMode(dtype=dtype, quantization=quant, kv_cache_dtype=kv,
-                         large_batch_dtype=large)
+                         large_batch_dtype=_large_batch_dtype(prefill_dtype, dtype, host))
+
+
+def _large_batch_dtype(prefill_dtype: str, dtype: str, host: HostInfo) -> str | None:
+    """`ExecutionMode.large_batch_dtype` for a requested `prefill_dtype` and the resolved
+    model `dtype`: None unless bfloat16 was asked for explicitly."""
+    prefill = normalize_dtype(prefill_dtype)
+    if prefill in ("auto", "float32", dtype):
+        return None
+    if prefill != "bfloat16":
+        raise ValueError(
+            f"unsupported prefill_dtype {prefill_dtype!r}; choose 'auto', 'float32' or "
+            "'bfloat16'"
+        )
+    if host.device != "cpu" or dtype != "float32":
+        raise ValueError(
+            f"prefill_dtype 'bfloat16' needs float32 activations on a CPU; this mode runs "
+            f"{dtype} on {host.device}"
+        )
+    return "bfloat16"
 
 
 @functools.cache

@@ -20,6 +20,7 @@ from loom.engine.mode import (
     normalize_quantization,
 )
 from loom.errors import InvalidRequestError
+from loom.kernels import KERNEL_ARITHMETIC, cpu_kernels_available
 from loom.kv_connector import (
     KVCacheSpec,
     KVConnectorRole,
@@ -64,8 +65,22 @@ def resolve_mode(args: EngineArgs, model_path: Path, device: str) -> tuple[Execu
             )
     host = HostInfo.detect(device)
     quantized = quantization == "auto" and weights_are_quantized(model_path)
-    mode = choose_mode(args.dtype, quantization, args.kv_cache_dtype, quantized, host)
+    try:  # a prefill_dtype this mode cannot use
+        mode = choose_mode(args.dtype, quantization, args.kv_cache_dtype, quantized, host,
+                           prefill_dtype=args.prefill_dtype)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from None
     return mode, mode.describe(host)
+
+
+def kv_arithmetic(device: str) -> str:
+    """Which kernels compute K/V on `device` (`KVCacheSpec.arithmetic`): Loom's C kernels
+    (`KERNEL_ARITHMETIC`, bumped whenever a kernel change can move a bit) on a CPU where
+    they load, else torch's ops ("torch-cpu", "torch-cuda")."""
+    kind = torch.device(device).type
+    if kind == "cpu" and cpu_kernels_available():
+        return KERNEL_ARITHMETIC
+    return f"torch-{kind}"
 
 
 def resolve_speculative_config(
@@ -158,7 +173,8 @@ def _build_model_parts(
             model_id=model_identity(model_path), dtype=dtype, kv_cache_dtype=kv_dtype,
             block_size=args.block_size, num_layers=model_config.num_layers,
             num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
-            quantization=mode.quantization,
+            quantization=mode.quantization, large_batch_dtype=mode.large_batch_dtype,
+            arithmetic=kv_arithmetic(device),
         ),
     )
     assert cdiv(max_model_len, args.block_size) <= num_blocks

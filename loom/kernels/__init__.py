@@ -12,19 +12,28 @@ from loom.kernels.cpu_ops import (
     cpu_kernels_available,
     linear_f32,
     linear_w8,
+    linear_w8a8_reference,
     paged_attention,
     rms_norm,
     rope_neox,
     use_cpu_kernels,
 )
 
+# Names the arithmetic of the C kernels (the order of every floating-point operation a
+# token's values go through). Bump it whenever a kernel change can change a single bit of
+# any result: K/V stored by engines of another arithmetic must never be loaded
+# (`KVCacheSpec.arithmetic`).
+KERNEL_ARITHMETIC = "loom-cpu-2"
+
 __all__ = [
+    "KERNEL_ARITHMETIC",
     "KV_CACHE_KERNEL_DTYPES",
     "argmax_logsumexp",
     "cpu_kernels_available",
     "kernel_status",
     "linear_f32",
     "linear_w8",
+    "linear_w8a8_reference",
     "load_library",
     "paged_attention",
     "rms_norm",

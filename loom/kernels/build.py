@@ -4,9 +4,10 @@ One source, several variants (`VARIANTS`): the same C compiled with the flags of
 instruction-set target. At load the widest variant whose CPU features the host has (read
 from /proc/cpuinfo, i.e. cpuid) is chosen; `LOOM_CPU_KERNEL_VARIANT=<name>` picks a
 narrower one, and `use_variant` switches within a process (tests run every kernel test on
-each variant the host can execute). Every variant computes the same integer sums; the
-AVX-512 VNNI one does the int8 dot products of w8a8 in one instruction
-(`vpdpbusd`) instead of three.
+each variant the host can execute). Every variant computes the same bits: the integer sums
+of w8a8 are exact and every float operation runs in the same order; the VNNI variants
+(AVX-512 VNNI, and AVX-VNNI on newer AVX2-only CPUs) do four int8 products and their sum in
+one instruction (`vpdpbusd`) where plain AVX2 needs four.
 
 A shared library is cached under `loom_cache_dir("kernels")`, keyed by a hash of the
 source, the flags and the compiler, and written atomically so concurrent processes never
@@ -59,6 +60,9 @@ VARIANTS = (
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mprefer-vector-width=256"),
         frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
     ),
+    KernelVariant(
+        "avx2-vnni", ("-mavxvnni",), frozenset({"avx2", "fma", "f16c", "avx_vnni"}),
+    ),
     KernelVariant("avx2", (), frozenset({"avx2", "fma", "f16c"})),
 )
 VARIANT_ENV = "LOOM_CPU_KERNEL_VARIANT"
@@ -86,20 +90,20 @@ _ptr = ctypes.c_void_p
 # Argument types of every exported function (see cpu_kernels.c for the meaning).
 SIGNATURES: dict[str, list[type]] = {
     "loom_linear_w8": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr],
-    "loom_linear_w8a8": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr],
-    "loom_linear_w8a8_quad": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr],
+    "loom_kernel_variant": [],
+    "loom_linear_w8a8_packed": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr],
+    "loom_linear_w8a8_ref": [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr],
     "loom_linear_f32": [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr],
     "loom_paged_attention": [
         _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
-        _f32, _f32, _ptr, _i64, _ptr, _i64,
+        _f32, _f32, _i64, _ptr, _i64,
     ],
     "loom_rms_norm": [_ptr, _i64, _i64, _ptr, _f32, _f32, _ptr, _ptr],
     "loom_rope_neox": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr],
-    "loom_attention_scratch_floats": [_i64, _i64, _i64, _i64],
     "loom_argmax_logsumexp": [_ptr, _i64, _i64, _ptr, _ptr],
 }
 # Functions that return a value (the others return void).
-RESTYPES: dict[str, type] = {"loom_attention_scratch_floats": _i64}
+RESTYPES: dict[str, type] = {"loom_kernel_variant": ctypes.c_char_p}
 
 
 @dataclass
@@ -227,6 +231,12 @@ def kernel_status() -> str:
     """'available (<variant>)', or why the CPU kernels are not used."""
     loaded = _current()
     return loaded.reason or f"available ({loaded.variant})"
+
+
+def loaded_variant() -> str | None:
+    """The variant the library in use reports it was compiled as (None: no kernels)."""
+    lib = load_library()
+    return None if lib is None else lib.loom_kernel_variant().decode()
 
 
 @contextlib.contextmanager

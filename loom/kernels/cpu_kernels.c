@@ -15,6 +15,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -234,218 +235,314 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
 
-/* Keys per work item of paged attention: a sequence's context is split into parts of this
- * many keys, attended separately (all query heads of one kv head together, so each key and
- * value vector is read once) and merged with the usual max/sum rescaling. */
+/* Keys per part of paged attention: a sequence's keys are split at absolute positions that
+ * are multiples of this, each part is attended on its own and the parts are merged with the
+ * usual max/sum rescaling, in part order. */
 #define ATTN_PART 128
 /* Query heads per kv head handled in one pass; larger groups loop over slices of this size. */
 #define ATTN_MAX_GROUP 8
 /* Keys ahead whose K rows the score pass prefetches. */
 #define ATTN_PREFETCH_KEYS 4
+/* Query tokens of one sequence per work unit. */
+#define ATTN_UNIT 16
+/* Units of at least this many tokens convert a part's float16 K/V rows to float32 once
+ * (exact) instead of once per query token. */
+#define ATTN_CONVERT_MIN 4
+/* Bound on the merge scratch (floats): the step's tokens are attended in windows of units
+ * whose per-part results fit in it. */
+#define ATTN_SCRATCH_BUDGET (16 * 1024 * 1024)
 
-/* Floats of scratch attention_body needs for `tokens` queries: per (query token, head, part)
- * a slot of ATTN_PART scores, d partial outputs, the running max and the sum of exponentials;
- * max_len bounds the length of every sequence's key range. */
-LOOM_EXPORT int64_t loom_attention_scratch_floats(int64_t tokens, int64_t h, int64_t d,
-                                                  int64_t max_len) {
-    const int64_t parts = (max_len + ATTN_PART - 1) / ATTN_PART;
-    return tokens * h * (parts > 0 ? parts : 1) * (ATTN_PART + d + 2);
+/* The work of one attention call, the same for every layer of a step: the query tokens cut
+ * into units (at most ATTN_UNIT consecutive tokens of one sequence), and the units grouped
+ * into windows whose merge scratch fits the budget. */
+typedef struct {
+    int64_t units, windows, window_tokens, parts;
+    int64_t *unit_seq, *unit_t0, *unit_t1; /* [units]: sequence, token range [t0, t1) */
+    int64_t *window_unit;                  /* [windows + 1]: units of window w */
+    int64_t threads;
+    float *merge;  /* window_tokens x h x parts x (d + 2): each part's output, max, sum */
+    float *local;  /* per thread: scores, one converted K row, a part's converted V rows */
+    int64_t local_floats;
+} AttnPlan;
+
+static AttnPlan attn_plan(const int64_t *q_start, int64_t s, int64_t h, int64_t d,
+                          int64_t max_len) {
+    AttnPlan p;
+    p.parts = max_len > 0 ? (max_len + ATTN_PART - 1) / ATTN_PART : 1;
+    const int64_t per_token = h * p.parts * (d + 2);
+    int64_t cap = ATTN_SCRATCH_BUDGET / per_token;
+    cap = cap < ATTN_UNIT ? ATTN_UNIT : cap;
+    int64_t units = 0;
+    for (int64_t i = 0; i < s; i++)
+        units += (q_start[i + 1] - q_start[i] + ATTN_UNIT - 1) / ATTN_UNIT;
+    p.units = units;
+    p.unit_seq = (int64_t *)malloc((size_t)(3 * units + units + 2) * sizeof(int64_t));
+    p.unit_t0 = p.unit_seq + units;
+    p.unit_t1 = p.unit_t0 + units;
+    p.window_unit = p.unit_t1 + units;
+    int64_t u = 0, windows = 0, in_window = 0, widest = 0;
+    p.window_unit[0] = 0;
+    for (int64_t i = 0; i < s; i++)
+        for (int64_t t = q_start[i]; t < q_start[i + 1]; t += ATTN_UNIT, u++) {
+            const int64_t t1 = t + ATTN_UNIT < q_start[i + 1] ? t + ATTN_UNIT : q_start[i + 1];
+            if (in_window > 0 && in_window + (t1 - t) > cap) {
+                p.window_unit[++windows] = u;
+                in_window = 0;
+            }
+            p.unit_seq[u] = i, p.unit_t0[u] = t, p.unit_t1[u] = t1;
+            in_window += t1 - t;
+            widest = in_window > widest ? in_window : widest;
+        }
+    p.windows = units > 0 ? windows + 1 : 0;
+    p.window_unit[p.windows] = units;
+    p.window_tokens = widest;
+    p.threads = omp_get_max_threads();
+    p.merge = (float *)malloc((size_t)(widest * per_token + 1) * sizeof(float));
+    p.local_floats = ATTN_UNIT * ATTN_MAX_GROUP * ATTN_PART + (ATTN_PART + 1) * d;
+    p.local = (float *)malloc((size_t)(p.threads * p.local_floats) * sizeof(float));
+    return p;
+}
+
+static void free_attn_plan(AttnPlan p) {
+    free(p.unit_seq), free(p.merge), free(p.local);
+}
+
+/* Read n float16 or float32 cache elements as float32 (exact). */
+static inline void kv_row_to_f32(const void *row, int64_t n, int f16, float *out) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, load_kv8(row, j, f16));
+    for (; j < n; j++) out[j] = load_kv1(row, j, f16);
+}
+
+/* Phase 1 for one work item: the query tokens [ta, tb) of sequence seq (positions pos_a ..),
+ * query heads h0 .. h0 + ng of kv head kvh, keys of one part, into the merge slots.
+ *
+ * The arithmetic of a (query, head, part) result depends on nothing but the query, its
+ * position and the part's keys: scores in key order, their max, exp(score - max) summed in 8
+ * lanes by key index within the part, and each output element summed over the keys in order.
+ * Keys a query cannot see contribute exact zeros and are skipped; so the unit, the window, the
+ * chunk and the batch a query is computed in never change its bits. */
+static inline __attribute__((always_inline)) void attend_part(
+    const float *q, int64_t ta, int64_t tb, int64_t pos_a, int64_t len, const void *k_cache,
+    const void *v_cache, const int64_t *table, int64_t h, int64_t hkv, int64_t kvh, int64_t h0,
+    int64_t ng, int64_t d, int64_t bs, int64_t window, float scale, float softcap,
+    int64_t part, int64_t parts, float *merge_base, float *local, int f16) {
+    const int64_t row_bytes = d * (f16 ? 2 : 4), ql = tb - ta, pos_b = pos_a + ql - 1;
+    const int64_t slot_floats = d + 2;
+    const int64_t lo = (window > 0 && pos_a - window + 1 > 0) ? pos_a - window + 1 : 0;
+    const int64_t k0 = lo / ATTN_PART * ATTN_PART + part * ATTN_PART;
+    /* Keys past the unit's last query are masked for all of its queries. */
+    const int64_t k_end = pos_b + 1 < len ? pos_b + 1 : len;
+    const int64_t k1 = k0 + ATTN_PART < k_end ? k0 + ATTN_PART : k_end;
+    const int64_t kv0 = k0 > lo ? k0 : lo, nk = k1 - k0;
+#define RES(t, g) (merge_base + (((t) * h + h0 + (g)) * parts + part) * slot_floats)
+    for (int64_t t = 0; t < ql; t++)
+        for (int64_t g = 0; g < ng; g++) {
+            RES(t, g)[d] = -INFINITY;
+            RES(t, g)[d + 1] = 0.0f;
+        }
+    if (nk <= 0 || kv0 >= k1) return; /* no key of this part is visible to the unit */
+    float *scores = local; /* [ql][ng][ATTN_PART] */
+    float *krow = local + ATTN_UNIT * ATTN_MAX_GROUP * ATTN_PART;
+    float *vconv = krow + d; /* [ATTN_PART][d] when converting */
+    const int convert = f16 && ql >= ATTN_CONVERT_MIN;
+#define SC(t, g) (scores + ((t) * ATTN_MAX_GROUP + (g)) * ATTN_PART)
+    const char *vrows[ATTN_PART];
+    for (int64_t t = 0; t < ql; t++)
+        for (int64_t g = 0; g < ng; g++)
+            for (int64_t p = k0; p < kv0; p++) SC(t, g)[p - k0] = -INFINITY;
+    /* Scores: each key read once for every query token and head of the item. */
+    for (int64_t p = kv0; p < k1; p++) {
+        const int64_t slot = (table[p / bs] * bs + p % bs) * hkv + kvh;
+        const char *kv = (const char *)k_cache + slot * row_bytes;
+        vrows[p - k0] = (const char *)v_cache + slot * row_bytes;
+        prefetch_bytes(vrows[p - k0], row_bytes);
+        if (p + ATTN_PREFETCH_KEYS < k1) {
+            const int64_t pf = p + ATTN_PREFETCH_KEYS;
+            prefetch_bytes((const char *)k_cache +
+                               ((table[pf / bs] * bs + pf % bs) * hkv + kvh) * row_bytes,
+                           row_bytes);
+        }
+        const void *key = kv;
+        int key_f16 = f16;
+        if (convert) {
+            kv_row_to_f32(kv, d, f16, krow);
+            key = krow, key_f16 = 0;
+        }
+        for (int64_t t = 0; t < ql; t++) {
+            const int64_t pos = pos_a + t;
+            if (p > pos || (window > 0 && p <= pos - window)) {
+                for (int64_t g = 0; g < ng; g++) SC(t, g)[p - k0] = -INFINITY;
+                continue;
+            }
+            float dots[ATTN_MAX_GROUP];
+            dots_shared_key(q + ((ta + t) * h + h0) * d, ng, key, d, key_f16, dots);
+            for (int64_t g = 0; g < ng; g++) {
+                float sc = dots[g] * scale;
+                if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+                SC(t, g)[p - k0] = sc;
+                if (sc > RES(t, g)[d]) RES(t, g)[d] = sc;
+            }
+        }
+    }
+    /* Softmax numerators exp(score - max) in place (masked keys: exactly 0), padded with
+     * masked scores to a multiple of 8 so the sum has one shape (8 lanes by key index, then
+     * hsum) whatever nk is. */
+    const int64_t nk8 = (nk + 7) / 8 * 8; /* <= ATTN_PART */
+    for (int64_t t = 0; t < ql; t++)
+        for (int64_t g = 0; g < ng; g++) {
+            float *sl = SC(t, g);
+            const float mx = RES(t, g)[d];
+            if (mx == -INFINITY) { /* no visible key in this part */
+                memset(sl, 0, (size_t)nk * sizeof(float));
+                continue;
+            }
+            for (int64_t p = nk; p < nk8; p++) sl[p] = -INFINITY;
+            const __m256 vmx = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-INFINITY);
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t p = 0; p < nk8; p += 8) {
+                const __m256 s8 = _mm256_loadu_ps(sl + p);
+                const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(s8, vmx)),
+                                               _mm256_cmp_ps(s8, ninf, _CMP_NEQ_OQ));
+                _mm256_storeu_ps(sl + p, e);
+                acc = _mm256_add_ps(acc, e);
+            }
+            RES(t, g)[d + 1] = hsum256(acc);
+        }
+    if (convert)
+        for (int64_t p = kv0 - k0; p < nk; p++) {
+            kv_row_to_f32(vrows[p], d, f16, vconv + p * d);
+            vrows[p] = (const char *)(vconv + p * d);
+        }
+    const int v_f16 = convert ? 0 : f16;
+    /* Values: out[t, g] = sum_p e[t, g, p] v[p], up to four heads at a time with the
+     * 16-float chunk of each head's output in registers over all keys of the part. */
+    for (int64_t t = 0; t < ql; t++)
+        for (int64_t g0 = 0; g0 < ng; g0 += 4) {
+            const int64_t n4 = ng - g0 < 4 ? ng - g0 : 4;
+            const float *e[4];
+            for (int64_t g = 0; g < n4; g++) e[g] = SC(t, g0 + g);
+            int64_t c = 0;
+            for (; c + 16 <= d; c += 16) {
+                __m256 acc[8];
+                for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+                for (int64_t p = kv0 - k0; p < nk; p++) {
+                    const __m256 v0 = load_kv8(vrows[p], c, v_f16);
+                    const __m256 v1 = load_kv8(vrows[p], c + 8, v_f16);
+                    for (int64_t g = 0; g < n4; g++) {
+                        const __m256 w = _mm256_broadcast_ss(e[g] + p);
+                        acc[2 * g] = _mm256_fmadd_ps(w, v0, acc[2 * g]);
+                        acc[2 * g + 1] = _mm256_fmadd_ps(w, v1, acc[2 * g + 1]);
+                    }
+                }
+                for (int64_t g = 0; g < n4; g++) {
+                    float *o = RES(t, g0 + g) + c;
+                    _mm256_storeu_ps(o, acc[2 * g]);
+                    _mm256_storeu_ps(o + 8, acc[2 * g + 1]);
+                }
+            }
+            for (; c < d; c++)
+                for (int64_t g = 0; g < n4; g++) {
+                    float sum = 0.0f;
+                    for (int64_t p = kv0 - k0; p < nk; p++)
+                        sum = fmaf(e[g][p], load_kv1(vrows[p], c, v_f16), sum);
+                    RES(t, g0 + g)[c] = sum;
+                }
+        }
+#undef SC
+#undef RES
 }
 
 /* Causal attention of a step's new tokens over their sequences' paged caches (no gathered
- * copy of the context). Sequence i owns query tokens [q_start[i], q_start[i + 1]) of q, the
- * last chunk of its seq_lens[i] positions; their K/V are already in the cache.
+ * copy of the context), for any number of tokens: decode rows and prefill chunks alike.
+ * Sequence i owns query tokens [q_start[i], q_start[i + 1]) of q, the last chunk of its
+ * seq_lens[i] positions; their K/V are already in the cache.
  *   q          [tokens, h, d]
  *   k_cache    [blocks, bs, hkv, d] float32, or float16 when f16; v_cache likewise
  *   block_tables [s, max_blocks] int64, seq_lens [s] int64, q_start [s + 1] int64
  *   window     > 0: a query at position t sees keys in (t - window, t]; 0: all keys <= t
  *   softcap    > 0: scores -> softcap * tanh(scores / softcap); 0: off
- *   scratch    loom_attention_scratch_floats(tokens, h, d, max_len) floats
- *   max_len    >= seq_lens[i] for every i (bounds the parts of ATTN_PART keys)
+ *   plan       attn_plan(q_start, s, h, d, max_len), max_len >= every seq_len
  *   out        [tokens, h, d]
- * Query head j reads kv head j / (h / hkv). Work items are (sequence, kv head, head slice,
- * part of ATTN_PART keys): each key and value vector is read once per item and used by every
- * query token and head of it; the parts are then merged with max/sum rescaling. */
+ * Query head j reads kv head j / (h / hkv). Per window of units: phase 1 attends every (unit,
+ * kv head, head slice, part) (each key and value vector read once per item), phase 2 merges
+ * each (token, head)'s parts in order. */
 static inline __attribute__((always_inline)) void attention_body_t(
     const float *q, const int64_t *q_start, const void *k_cache, const void *v_cache,
-    const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int64_t s,
-    int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t window, float scale, float softcap,
-    float *scratch, int64_t max_len, float *out, int f16) {
-    const int64_t row_bytes = d * (f16 ? 2 : 4);
-    const int64_t group = h / hkv;
-    const int64_t parts = max_len > 0 ? (max_len + ATTN_PART - 1) / ATTN_PART : 1;
-    const int64_t slot_floats = ATTN_PART + d + 2;
+    const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int64_t h,
+    int64_t hkv, int64_t d, int64_t bs, int64_t window, float scale, float softcap,
+    const AttnPlan *plan, float *out, int f16) {
+    const int64_t group = h / hkv, parts = plan->parts, slot_floats = d + 2;
     const int64_t gslices = (group + ATTN_MAX_GROUP - 1) / ATTN_MAX_GROUP;
-    /* Phase 1: every (sequence, kv head, head slice, part) attends over its keys. */
+    float *local = plan->local + omp_get_thread_num() * plan->local_floats;
+    for (int64_t w = 0; w < plan->windows; w++) {
+        const int64_t u0 = plan->window_unit[w], u1 = plan->window_unit[w + 1];
+        const int64_t tok0 = plan->unit_t0[u0], tok1 = plan->unit_t1[u1 - 1];
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < s * hkv * gslices * parts; task++) {
-        const int64_t part = task % parts;
-        const int64_t slice = (task / parts) % gslices;
-        const int64_t kvh = (task / parts / gslices) % hkv;
-        const int64_t seq = task / parts / gslices / hkv;
-        const int64_t h0 = kvh * group + slice * ATTN_MAX_GROUP;
-        const int64_t ng = group - slice * ATTN_MAX_GROUP < ATTN_MAX_GROUP
-                               ? group - slice * ATTN_MAX_GROUP : ATTN_MAX_GROUP;
-        const int64_t t0 = q_start[seq], ql = q_start[seq + 1] - t0;
-        const int64_t len = seq_lens[seq], first_pos = len - ql;
-        /* Parts start at multiples of ATTN_PART, whatever the chunk: a query's keys are split
-         * (and summed) the same way alone or among other queries of its sequence, so a
-         * position's result does not depend on the chunk it is computed in. */
-        const int64_t lo = (window > 0 && first_pos - window + 1 > 0) ? first_pos - window + 1 : 0;
-        const int64_t k0 = lo / ATTN_PART * ATTN_PART + part * ATTN_PART;
-        const int64_t k1 = k0 + ATTN_PART < len ? k0 + ATTN_PART : len;
-        const int64_t *table = block_tables + seq * max_blocks;
-        const int64_t nk = k1 - k0;
-        /* Keys before kv0 are masked for every query of the item (outside the window): they
-         * are neither read nor summed (their exact-zero weights would not change a sum). */
-        const int64_t kv0 = k0 > lo ? k0 : lo;
-#define SLOT(t, g) (scratch + (((t0 + (t)) * h + h0 + (g)) * parts + part) * slot_floats)
-        for (int64_t t = 0; t < ql; t++)
-            for (int64_t g = 0; g < ng; g++) {
-                SLOT(t, g)[ATTN_PART + d] = -INFINITY;
-                SLOT(t, g)[ATTN_PART + d + 1] = 0.0f;
-            }
-        if (nk <= 0) continue; /* this part lies past the context */
-        /* Scores: each key is read once for every query token and head of the item; masked
-         * keys score -inf. The value rows are prefetched meanwhile for the second pass. */
-        const char *vrows[ATTN_PART];
-        for (int64_t t = 0; t < ql; t++)
-            for (int64_t g = 0; g < ng; g++)
-                for (int64_t p = k0; p < kv0; p++) SLOT(t, g)[p - k0] = -INFINITY;
-        for (int64_t p = kv0; p < k1; p++) {
-            const int64_t slot = (table[p / bs] * bs + p % bs) * hkv + kvh;
-            const char *kv = (const char *)k_cache + slot * row_bytes;
-            vrows[p - k0] = (const char *)v_cache + slot * row_bytes;
-            prefetch_bytes(vrows[p - k0], row_bytes);
-            if (p + ATTN_PREFETCH_KEYS < k1) {
-                const int64_t pf = p + ATTN_PREFETCH_KEYS;
-                prefetch_bytes((const char *)k_cache +
-                                   ((table[pf / bs] * bs + pf % bs) * hkv + kvh) * row_bytes,
-                               row_bytes);
-            }
-            for (int64_t t = 0; t < ql; t++) {
-                const int64_t pos = first_pos + t;
-                if (p > pos || (window > 0 && p <= pos - window)) {
-                    for (int64_t g = 0; g < ng; g++) SLOT(t, g)[p - k0] = -INFINITY;
-                    continue;
-                }
-                float dots[ATTN_MAX_GROUP];
-                dots_shared_key(q + ((t0 + t) * h + h0) * d, ng, kv, d, f16, dots);
-                for (int64_t g = 0; g < ng; g++) {
-                    float sc = dots[g] * scale;
-                    if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
-                    float *sl = SLOT(t, g);
-                    sl[p - k0] = sc;
-                    if (sc > sl[ATTN_PART + d]) sl[ATTN_PART + d] = sc;
-                }
-            }
+        for (int64_t task = 0; task < (u1 - u0) * hkv * gslices * parts; task++) {
+            const int64_t part = task % parts;
+            const int64_t slice = (task / parts) % gslices;
+            const int64_t kvh = (task / parts / gslices) % hkv;
+            const int64_t u = u0 + task / parts / gslices / hkv;
+            const int64_t seq = plan->unit_seq[u], ta = plan->unit_t0[u], tb = plan->unit_t1[u];
+            const int64_t h0 = kvh * group + slice * ATTN_MAX_GROUP;
+            const int64_t ng = group - slice * ATTN_MAX_GROUP < ATTN_MAX_GROUP
+                                   ? group - slice * ATTN_MAX_GROUP : ATTN_MAX_GROUP;
+            const int64_t len = seq_lens[seq];
+            const int64_t pos_a = len - (q_start[seq + 1] - q_start[seq]) + (ta - q_start[seq]);
+            attend_part(q, ta, tb, pos_a, len, k_cache, v_cache,
+                        block_tables + seq * max_blocks, h, hkv, kvh, h0, ng, d, bs, window,
+                        scale, softcap, part, parts,
+                        plan->merge + (ta - tok0) * h * parts * slot_floats, local, f16);
         }
-        /* Softmax numerators exp(score - max) in place (masked keys: exactly 0). The scores
-         * are padded with masked ones to a multiple of 8 so the sum has one shape (8 lanes,
-         * then hsum) for any nk: zeros past a query's last key do not change it. */
-        const int64_t nk8 = (nk + 7) / 8 * 8; /* <= ATTN_PART */
-        for (int64_t t = 0; t < ql; t++)
-            for (int64_t g = 0; g < ng; g++) {
-                float *sl = SLOT(t, g);
-                const float mx = sl[ATTN_PART + d];
-                if (mx == -INFINITY) { /* no visible key in this part */
-                    memset(sl, 0, (size_t)nk * sizeof(float));
-                    continue;
-                }
-                for (int64_t p = nk; p < nk8; p++) sl[p] = -INFINITY;
-                const __m256 vmx = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-INFINITY);
-                __m256 acc = _mm256_setzero_ps();
-                for (int64_t p = 0; p < nk8; p += 8) {
-                    const __m256 s8 = _mm256_loadu_ps(sl + p);
-                    const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(s8, vmx)),
-                                                   _mm256_cmp_ps(s8, ninf, _CMP_NEQ_OQ));
-                    _mm256_storeu_ps(sl + p, e);
-                    acc = _mm256_add_ps(acc, e);
-                }
-                sl[ATTN_PART + d + 1] = hsum256(acc);
-            }
-        /* Values: out[t, g] = sum_p e[t, g, p] v[p], up to four heads at a time with the
-         * 16-float chunk of each head's output in registers over all keys of the part. */
-        for (int64_t t = 0; t < ql; t++)
-            for (int64_t g0 = 0; g0 < ng; g0 += 4) {
-                const int64_t n4 = ng - g0 < 4 ? ng - g0 : 4;
-                const float *e[4];
-                for (int64_t g = 0; g < n4; g++) e[g] = SLOT(t, g0 + g);
-                int64_t c = 0;
-                for (; c + 16 <= d; c += 16) {
-                    __m256 acc[8];
-                    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-                    for (int64_t p = kv0 - k0; p < nk; p++) {
-                        const __m256 v0 = load_kv8(vrows[p], c, f16);
-                        const __m256 v1 = load_kv8(vrows[p], c + 8, f16);
-                        for (int64_t g = 0; g < n4; g++) {
-                            const __m256 w = _mm256_broadcast_ss(e[g] + p);
-                            acc[2 * g] = _mm256_fmadd_ps(w, v0, acc[2 * g]);
-                            acc[2 * g + 1] = _mm256_fmadd_ps(w, v1, acc[2 * g + 1]);
-                        }
-                    }
-                    for (int64_t g = 0; g < n4; g++) {
-                        float *o = SLOT(t, g0 + g) + ATTN_PART + c;
-                        _mm256_storeu_ps(o, acc[2 * g]);
-                        _mm256_storeu_ps(o + 8, acc[2 * g + 1]);
-                    }
-                }
-                for (; c < d; c++)
-                    for (int64_t g = 0; g < n4; g++) {
-                        float sum = 0.0f;
-                        for (int64_t p = kv0 - k0; p < nk; p++)
-                            sum += e[g][p] * load_kv1(vrows[p], c, f16);
-                        SLOT(t, g0 + g)[ATTN_PART + c] = sum;
-                    }
-            }
-#undef SLOT
-    }
-    /* Phase 2: merge the parts of every (query token, head). */
+        /* Phase 2: merge the parts of every (query token, head), in part order. */
 #pragma omp for schedule(static)
-    for (int64_t th = 0; th < q_start[s] * h; th++) {
-        const float *base = scratch + th * parts * slot_floats;
-        float gmax = -INFINITY;
-        for (int64_t part = 0; part < parts; part++)
-            if (base[part * slot_floats + ATTN_PART + d] > gmax)
-                gmax = base[part * slot_floats + ATTN_PART + d];
-        float total = 0.0f;
-        float *o = out + th * d;
-        memset(o, 0, (size_t)d * sizeof(float));
-        for (int64_t part = 0; part < parts; part++) {
-            const float *sl = base + part * slot_floats;
-            if (sl[ATTN_PART + d + 1] == 0.0f) continue;
-            const float w = expf(sl[ATTN_PART + d] - gmax);
-            total += w * sl[ATTN_PART + d + 1];
-            axpy_f32(w, sl + ATTN_PART, o, d);
+        for (int64_t th = 0; th < (tok1 - tok0) * h; th++) {
+            const float *base = plan->merge + th * parts * slot_floats;
+            float gmax = -INFINITY;
+            for (int64_t part = 0; part < parts; part++)
+                if (base[part * slot_floats + d] > gmax) gmax = base[part * slot_floats + d];
+            float total = 0.0f;
+            float *o = out + (tok0 * h + th) * d;
+            memset(o, 0, (size_t)d * sizeof(float));
+            for (int64_t part = 0; part < parts; part++) {
+                const float *sl = base + part * slot_floats;
+                if (sl[d + 1] == 0.0f) continue;
+                const float wgt = expf(sl[d] - gmax);
+                total = fmaf(wgt, sl[d + 1], total);
+                axpy_f32(wgt, sl, o, d);
+            }
+            const float inv = 1.0f / total;
+            for (int64_t j = 0; j < d; j++) o[j] *= inv;
         }
-        const float inv = 1.0f / total;
-        for (int64_t j = 0; j < d; j++) o[j] *= inv;
     }
 }
 
 /* attention_body_t compiled once per cache element type. */
 static void attention_body(
     const float *q, const int64_t *q_start, const void *k_cache, const void *v_cache,
-    const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int64_t s,
-    int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t window, float scale, float softcap,
-    float *scratch, int64_t max_len, float *out, int f16) {
+    const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int64_t h,
+    int64_t hkv, int64_t d, int64_t bs, int64_t window, float scale, float softcap,
+    const AttnPlan *plan, float *out, int f16) {
     if (f16)
-        attention_body_t(q, q_start, k_cache, v_cache, block_tables, max_blocks, seq_lens, s, h,
-                         hkv, d, bs, window, scale, softcap, scratch, max_len, out, 1);
+        attention_body_t(q, q_start, k_cache, v_cache, block_tables, max_blocks, seq_lens, h,
+                         hkv, d, bs, window, scale, softcap, plan, out, 1);
     else
-        attention_body_t(q, q_start, k_cache, v_cache, block_tables, max_blocks, seq_lens, s, h,
-                         hkv, d, bs, window, scale, softcap, scratch, max_len, out, 0);
+        attention_body_t(q, q_start, k_cache, v_cache, block_tables, max_blocks, seq_lens, h,
+                         hkv, d, bs, window, scale, softcap, plan, out, 0);
 }
 
-/* kv_f16: the caches hold float16 (else float32). */
+/* kv_f16: the caches hold float16 (else float32); max_len >= every seq_len. */
 LOOM_EXPORT void loom_paged_attention(
     const float *q, const int64_t *q_start, const void *k_cache, const void *v_cache,
     const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int64_t s,
     int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t window, float scale, float softcap,
-    float *scratch, int64_t max_len, float *out, int64_t kv_f16) {
+    int64_t max_len, float *out, int64_t kv_f16) {
+    const AttnPlan plan = attn_plan(q_start, s, h, d, max_len);
 #pragma omp parallel
-    attention_body(q, q_start, k_cache, v_cache, block_tables, max_blocks, seq_lens, s, h, hkv,
-                   d, bs, window, scale, softcap, scratch, max_len, out, kv_f16 != 0);
+    attention_body(q, q_start, k_cache, v_cache, block_tables, max_blocks, seq_lens, h, hkv, d,
+                   bs, window, scale, softcap, &plan, out, kv_f16 != 0);
+    free_attn_plan(plan);
 }
 
 /* out[r] = residual[r] + x[r] / rms(x[r]) * (w + offset), per row r of [rows, dim];
@@ -504,16 +601,54 @@ LOOM_EXPORT void loom_rope_neox(const float *x, int64_t tokens, int64_t heads, i
     rope_body(x, tokens, heads, d, cos_t, sin_t, out);
 }
 
+/* The variant this library was built as (loom/kernels/build.py names them the same). */
+LOOM_EXPORT const char *loom_kernel_variant(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return "avx512-vnni";
+#elif defined(__AVXVNNI__)
+    return "avx2-vnni";
+#else
+    return "avx2";
+#endif
+}
+
 /* ---- int8 weights x int8 activations (activations quantised per block of 32 on the fly) ---- */
 
+/* The arithmetic of w8a8, the default mode's linear layers, for every output y[r, c]:
+ *
+ *     isum_b = sum over the 32 j of block b of xq[r, 32b + j] * w[c, 32b + j]   (int32, exact)
+ *     acc    = 0;  for b = 0, 1, ...: acc = fma((float)isum_b, xs[r, b], acc)   (block order)
+ *     y[r, c] = acc * scale[c]  (+ bias[c])
+ *
+ * The integer sums are exact whatever order computes them, and the float operations form one
+ * fixed chain per output, so y[r, c] is the same bits whatever the number of rows in the call,
+ * the tiling, the thread count or the instruction set (every variant, and `w8a8_ref`, compute
+ * exactly this). That is what makes a token's logits independent of its batch and chunk. */
+
 #define QBLOCK 32
-/* Software prefetch distance of the quad-layout kernel, in bytes of weight. */
-#ifndef QUAD_PREFETCH_BYTES
-#define QUAD_PREFETCH_BYTES 4096
+/* Output columns one weight vector covers (one 256-bit register of int32 sums). */
+#define COLS 8
+/* Row tiles: rows of x that share each weight load. Registers: RT x 2 column groups x (int32 +
+ * float accumulator); AVX-512VL has 32 vector registers, AVX2 16 (which fit 2 rows x 2 groups
+ * with the AVX2 path's temporaries, 3 rows with AVX-VNNI's single instruction). */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define W8A8_ROWS 4
+#elif defined(__AVXVNNI__)
+#define W8A8_ROWS 3
+#else
+#define W8A8_ROWS 2
+#endif
+/* Rows of x per row block: their quantised activations (ROW_BLOCK x k bytes) stay in L2 while
+ * every column panel streams past them. */
+#define ROW_BLOCK 128
+/* Software prefetch distance over the packed weight stream, in bytes. */
+#ifndef PACKED_PREFETCH_BYTES
+#define PACKED_PREFETCH_BYTES 2048
 #endif
 
-/* x [k] float -> xq [k] int8 and xs [k / 32] float with x ~ xq * xs per block (symmetric). */
-static void quantize_row_q8(const float *x, int64_t k, int8_t *xq, float *xs) {
+/* x [k] float -> xq [k] int8, xs [k / 32] float with x ~ xq * xs per block (symmetric), and
+ * xsum [k / 32] = 128 * the sum of each block's xq (what the VNNI path's unsigned weights add). */
+static void quantize_row_q8(const float *x, int64_t k, int8_t *xq, float *xs, int32_t *xsum) {
     for (int64_t b = 0; b < k / QBLOCK; b++) {
         const float *xb = x + b * QBLOCK;
         float amax = 0.0f;
@@ -521,122 +656,210 @@ static void quantize_row_q8(const float *x, int64_t k, int8_t *xq, float *xs) {
         const float d = amax / 127.0f;
         const float id = d > 0.0f ? 1.0f / d : 0.0f;
         xs[b] = d;
-        for (int j = 0; j < QBLOCK; j++) xq[b * QBLOCK + j] = (int8_t)lrintf(xb[j] * id);
+        int32_t s = 0;
+        for (int j = 0; j < QBLOCK; j++) {
+            const int8_t q = (int8_t)lrintf(xb[j] * id);
+            xq[b * QBLOCK + j] = q;
+            s += q;
+        }
+        xsum[b] = 128 * s;
     }
 }
 
-/* Sum of the 32 int8 products of w and x as 8 int32 lanes (lane i: products 4i..4i+3; w and
- * x in [-127, 127]). Both versions are exact, so every variant gives the same lanes: |w| as
- * unsigned bytes times x carrying w's sign; AVX2 sums pairs in int16 (at most 2 * 127 * 127,
- * no saturation) then pairs of those in int32; VNNI sums the four products in int32 at once. */
-static inline __m256i dot32_i8(__m256i w, __m256i x) {
+/* xq [m, k], xs and xsum [m, k / 32]: every row of x quantised per block. */
+static void quantize_rows_body(const float *x, int64_t m, int64_t k, int8_t *xq, float *xs,
+                               int32_t *xsum) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++)
+        quantize_row_q8(x + r * k, k, xq + r * k, xs + r * (k / QBLOCK), xsum + r * (k / QBLOCK));
+}
+
+/* The packed weight ("vnni" layout, `loom.models.quant.to_packed_layout`): output columns in
+ * groups of COLS, each group's k in steps of 4, as unsigned bytes w + 128:
+ *     wp[((g * (k / 4) + s) * COLS + c) * 4 + j] = W[COLS * g + c, 4 s + j] + 128
+ * so one 32-byte load holds 4 consecutive k of 8 columns, a group is one sequential stream of
+ * 8k bytes, and columns past n (the last group's padding) hold 128 (a zero weight).
+ *
+ * acc += the int32 products of 4 int8 activations (broadcast) and one loaded weight vector:
+ * VNNI multiplies the unsigned weights w + 128 directly (the 128 * sum(x) this adds is taken
+ * off once per block through xsum); AVX2 has no such instruction and no unsigned x signed
+ * product that cannot saturate on w + 128, so it restores w, moves x's sign onto it and
+ * multiplies |x| by it in int16 pairs (at most 2 * 127 * 127, exact). Same exact sums. */
+static inline __m256i dot4x8_i8(__m256i acc, __m256i wu, __m256i xb) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w),
-                               _mm256_sign_epi8(x, w));
+    return _mm256_dpbusd_epi32(acc, wu, xb);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, wu, xb);
 #else
-    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    const __m256i w = _mm256_xor_si256(wu, _mm256_set1_epi8((char)0x80));
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8(w, xb));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
 }
 
-/* xq [m, k] and xs [m, k / 32]: every row of x quantised per block (rows split over threads). */
-static void quantize_rows_body(const float *x, int64_t m, int64_t k, int8_t *xq, float *xs) {
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < m; r++)
-        quantize_row_q8(x + r * k, k, xq + r * k, xs + r * (k / QBLOCK));
+/* The int32 accumulator a block starts from: minus what the unsigned weights add (VNNI). */
+static inline __m256i block_start(int32_t xsum) {
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+    return _mm256_set1_epi32(-xsum);
+#else
+    (void)xsum;
+    return _mm256_setzero_si256();
+#endif
 }
 
-/* y[m, n] = scale[n] * sum_k q8(x)[m, k] * w[n, k] (+ bias[n]) from quantised rows xq/xs.
- * The weight is row-major [n, k] (quad == 0) or in the "quad" layout (quad == 1): rows
- * 4q..4q+3 interleaved in blocks of 32, w[((q * (k / 32) + b) * 4 + i) * 32 + j] =
- * W[4q + i, 32b + j], so each thread reads one sequential stream (row-major makes four short
- * streams per group of rows, which the hardware prefetcher follows less well; the quad layout
- * needs n % 4 == 0). Both layouts sum in the same order and give identical results. */
-static void w8a8_body(const int8_t *xq, const float *xs, int64_t m, int64_t k, const int8_t *w,
-                      int quad, const float *scale, const float *bias, int64_t n, float *y) {
-    const int64_t nb = k / QBLOCK;
-    const int64_t quads = n / 4;
-    /* Row 4q + i's block b starts at w + 4qk + b * block_step + i * row_step. */
-    const int64_t row_step = quad ? QBLOCK : k, block_step = quad ? 4 * QBLOCK : QBLOCK;
-#pragma omp for schedule(static)
-    for (int64_t qd = 0; qd < quads; qd++) {
-        const int64_t row = qd * 4;
-        const int8_t *wq = w + qd * 4 * k;
-        if (!quad && qd + PREFETCH_QUADS < quads)
-            prefetch_bytes(wq + PREFETCH_QUADS * 4 * k, 4 * k);
-        for (int64_t r = 0; r < m; r++) {
-            const int8_t *xr = xq + r * k;
-            const float *sr = xs + r * nb;
-            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-            __m256 acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
-            for (int64_t b = 0; b < nb; b++) {
-                const int8_t *wb = wq + b * block_step;
-                if (quad && r == 0) {
-                    _mm_prefetch((const char *)(wb + QUAD_PREFETCH_BYTES), _MM_HINT_T0);
-                    _mm_prefetch((const char *)(wb + QUAD_PREFETCH_BYTES + 64), _MM_HINT_T0);
-                }
-                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + b * QBLOCK));
-                const __m256 d = _mm256_set1_ps(sr[b]);
-                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(
-                    _mm256_loadu_si256((const __m256i *)wb), xv)), d, acc0);
-                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(
-                    _mm256_loadu_si256((const __m256i *)(wb + row_step)), xv)), d, acc1);
-                acc2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(
-                    _mm256_loadu_si256((const __m256i *)(wb + 2 * row_step)), xv)), d, acc2);
-                acc3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_i8(
-                    _mm256_loadu_si256((const __m256i *)(wb + 3 * row_step)), xv)), d, acc3);
+/* y[r0 .. r0 + R, 8 g0 .. 8 (g0 + C)] for R rows of x and C column groups: R * C outputs
+ * vectors, each summed exactly as the file's w8a8 arithmetic says. */
+static inline __attribute__((always_inline)) void w8a8_tile(
+    const int8_t *xq, const float *xs, const int32_t *xsum, int64_t r0, int R, int64_t k,
+    const uint8_t *wp, int64_t g0, int C, const float *scale, const float *bias, int64_t n,
+    float *y) {
+    const int64_t nb = k / QBLOCK, steps = k / 4;
+    __m256 facc[W8A8_ROWS][2];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) facc[r][c] = _mm256_setzero_ps();
+    const uint8_t *wg[2] = {wp + g0 * steps * 32, wp + (g0 + 1) * steps * 32};
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i iacc[W8A8_ROWS][2];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) iacc[r][c] = block_start(xsum[(r0 + r) * nb + b]);
+        if (r0 % ROW_BLOCK == 0)
+            for (int c = 0; c < C; c++)
+                _mm_prefetch((const char *)(wg[c] + b * 256 + PACKED_PREFETCH_BYTES), _MM_HINT_T0);
+        for (int s = 0; s < 8; s++) {
+            const int64_t step = b * 8 + s;
+            __m256i w[2];
+            for (int c = 0; c < C; c++)
+                w[c] = _mm256_loadu_si256((const __m256i *)(wg[c] + step * 32));
+            for (int r = 0; r < R; r++) {
+                int32_t x4;
+                memcpy(&x4, xq + (r0 + r) * k + step * 4, 4);
+                const __m256i xb = _mm256_set1_epi32(x4);
+                for (int c = 0; c < C; c++) iacc[r][c] = dot4x8_i8(iacc[r][c], w[c], xb);
             }
-            const float s[4] = {hsum256(acc0), hsum256(acc1), hsum256(acc2), hsum256(acc3)};
-            for (int i = 0; i < 4; i++) {
-                const float v = s[i] * scale[row + i];
-                y[r * n + row + i] = bias ? v + bias[row + i] : v;
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256 d = _mm256_set1_ps(xs[(r0 + r) * nb + b]);
+            for (int c = 0; c < C; c++)
+                facc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][c]), d, facc[r][c]);
+        }
+    }
+    for (int c = 0; c < C; c++) {
+        const int64_t col = (g0 + c) * COLS;
+        const int64_t valid = n - col < COLS ? n - col : COLS;
+        for (int r = 0; r < R; r++) {
+            float *yr = y + (r0 + r) * n + col;
+            if (valid == COLS) {
+                __m256 v = _mm256_mul_ps(facc[r][c], _mm256_loadu_ps(scale + col));
+                if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + col));
+                _mm256_storeu_ps(yr, v);
+            } else {
+                float a[COLS];
+                _mm256_storeu_ps(a, facc[r][c]);
+                for (int64_t i = 0; i < valid; i++) {
+                    const float v = a[i] * scale[col + i];
+                    yr[i] = bias ? v + bias[col + i] : v;
+                }
             }
         }
     }
-    /* The last n % 4 rows (row-major only), one at a time. */
-#pragma omp single
-    for (int64_t row = quads * 4; row < n; row++)
-        for (int64_t r = 0; r < m; r++) {
+}
+
+/* w8a8_tile with R and C as compile-time constants (the accumulators stay in registers). */
+static void w8a8_tile_any(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t r0,
+                          int R, int64_t k, const uint8_t *wp, int64_t g0, int C,
+                          const float *scale, const float *bias, int64_t n, float *y) {
+#define W8A8_CASE(RR, CC)                                                                    \
+    if (R == RR && C == CC) {                                                                \
+        w8a8_tile(xq, xs, xsum, r0, RR, k, wp, g0, CC, scale, bias, n, y);                   \
+        return;                                                                              \
+    }
+    W8A8_CASE(1, 1) W8A8_CASE(1, 2) W8A8_CASE(2, 1) W8A8_CASE(2, 2)
+#if W8A8_ROWS >= 3
+    W8A8_CASE(3, 1) W8A8_CASE(3, 2)
+#endif
+#if W8A8_ROWS >= 4
+    W8A8_CASE(4, 1) W8A8_CASE(4, 2)
+#endif
+#undef W8A8_CASE
+}
+
+/* y[m, n] = the w8a8 arithmetic above over quantised rows xq/xs/xsum and the packed weight.
+ * Work items are (row block, panel of two column groups), split statically over the threads
+ * in that order: a thread sweeps panels with its row block's activations in cache. */
+static void w8a8_body(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t m,
+                      int64_t k, const uint8_t *wp, const float *scale, const float *bias,
+                      int64_t n, float *y) {
+    const int64_t groups = (n + COLS - 1) / COLS, panels = (groups + 1) / 2;
+    const int64_t blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK;
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < blocks * panels; task++) {
+        const int64_t rb = task / panels, g0 = (task % panels) * 2;
+        const int C = g0 + 1 < groups ? 2 : 1;
+        const int64_t r_end = (rb + 1) * ROW_BLOCK < m ? (rb + 1) * ROW_BLOCK : m;
+        for (int64_t r0 = rb * ROW_BLOCK; r0 < r_end; r0 += W8A8_ROWS) {
+            const int R = r_end - r0 < W8A8_ROWS ? (int)(r_end - r0) : W8A8_ROWS;
+            w8a8_tile_any(xq, xs, xsum, r0, R, k, wp, g0, C, scale, bias, n, y);
+        }
+    }
+}
+
+/* Quantised-activation workspace of a w8a8 call with m rows of k features. */
+typedef struct {
+    int8_t *xq;
+    float *xs;
+    int32_t *xsum;
+} QuantBuffers;
+
+static QuantBuffers quant_buffers(int64_t m, int64_t k) {
+    QuantBuffers q;
+    q.xq = (int8_t *)aligned_alloc(32, (size_t)((m * k + 31) / 32 * 32));
+    q.xs = (float *)malloc((size_t)(m * (k / QBLOCK) + 1) * sizeof(float));
+    q.xsum = (int32_t *)malloc((size_t)(m * (k / QBLOCK) + 1) * sizeof(int32_t));
+    return q;
+}
+
+static void free_quant_buffers(QuantBuffers q) {
+    free(q.xq), free(q.xs), free(q.xsum);
+}
+
+/* y[m, n] = w8a8(x, W) (+ bias) with W packed (see w8a8_body); k a multiple of 32. Rows are
+ * independent of each other: a row's result is the same bits in any call. */
+LOOM_EXPORT void loom_linear_w8a8_packed(const float *x, int64_t m, int64_t k, const uint8_t *wp,
+                                         const float *scale, const float *bias, int64_t n,
+                                         float *y) {
+    const QuantBuffers q = quant_buffers(m, k);
+#pragma omp parallel
+    {
+        quantize_rows_body(x, m, k, q.xq, q.xs, q.xsum);
+        w8a8_body(q.xq, q.xs, q.xsum, m, k, wp, scale, bias, n, y);
+    }
+    free_quant_buffers(q);
+}
+
+/* The w8a8 arithmetic one output at a time in plain C (row-major int8 weight [n, k]): the
+ * reference the vector kernels must equal bit for bit (tests). */
+LOOM_EXPORT void loom_linear_w8a8_ref(const float *x, int64_t m, int64_t k, const int8_t *w,
+                                      const float *scale, const float *bias, int64_t n,
+                                      float *y) {
+    const int64_t nb = k / QBLOCK;
+    const QuantBuffers q = quant_buffers(m, k);
+    for (int64_t r = 0; r < m; r++)
+        quantize_row_q8(x + r * k, k, q.xq + r * k, q.xs + r * nb, q.xsum + r * nb);
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t c = 0; c < n; c++) {
             float acc = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
                 int32_t isum = 0;
                 for (int j = 0; j < QBLOCK; j++)
-                    isum += (int32_t)w[row * k + b * QBLOCK + j] * xq[r * k + b * QBLOCK + j];
-                acc += (float)isum * xs[r * nb + b];
+                    isum += (int32_t)w[c * k + b * QBLOCK + j] * q.xq[r * k + b * QBLOCK + j];
+                acc = fmaf((float)isum, q.xs[r * nb + b], acc);
             }
-            const float v = acc * scale[row];
-            y[r * n + row] = bias ? v + bias[row] : v;
+            const float v = acc * scale[c];
+            y[r * n + c] = bias ? v + bias[c] : v;
         }
+    free_quant_buffers(q);
 }
 
-/* y = x @ W.T through w8a8_body, quantising x first (see loom_linear_w8a8). */
-static void linear_w8a8_entry(const float *x, int64_t m, int64_t k, const int8_t *w, int quad,
-                              const float *scale, const float *bias, int64_t n, float *y) {
-    int8_t *xq = (int8_t *)aligned_alloc(32, (size_t)((m * k + 31) / 32 * 32));
-    float *xs = (float *)malloc((size_t)(m * (k / QBLOCK) + 1) * sizeof(float));
-#pragma omp parallel
-    {
-        quantize_rows_body(x, m, k, xq, xs);
-        w8a8_body(xq, xs, m, k, w, quad, scale, bias, n, y);
-    }
-    free(xq);
-    free(xs);
-}
-
-/* loom_linear_w8a8 with the weight in the quad layout (n a multiple of 4). */
-LOOM_EXPORT void loom_linear_w8a8_quad(const float *x, int64_t m, int64_t k, const int8_t *wp,
-                                       const float *scale, const float *bias, int64_t n,
-                                       float *y) {
-    linear_w8a8_entry(x, m, k, wp, 1, scale, bias, n, y);
-}
-
-/* y[m, n] = scale[n] * sum_k q8(x)[m, k] * w[n, k] (+ bias[n]); k a multiple of 32.
- * Like loom_linear_w8 but with activations rounded to int8 per block of 32 (their own scale
- * per block), so products run as integer multiply-adds. Rows are independent of each other. */
-LOOM_EXPORT void loom_linear_w8a8(const float *x, int64_t m, int64_t k, const int8_t *w,
-                                  const float *scale, const float *bias, int64_t n, float *y) {
-    linear_w8a8_entry(x, m, k, w, 0, scale, bias, n, y);
-}
 
 /* ---- float32 weights: small batches, where BLAS repacks the whole weight every call ---- */
 
@@ -691,12 +914,12 @@ LOOM_EXPORT void loom_linear_f32(const float *x, int64_t m, int64_t k, const flo
 
 /* A linear layer as the fused decoder sees it. */
 typedef struct {
-    /* 0 float32 weight, 1 int8 weight-only, 2 int8 weights x int8 activations, 3 the same with
-     * the weight in the quad layout (see w8a8_body) */
+    /* 0 float32 weight, 1 int8 weight-only (row-major), 2 int8 weights x int8 activations
+     * (the weight packed as w8a8_body reads it) */
     int32_t kind;
     int32_t reserved;
     int64_t in_features, out_features;
-    const void *weight; /* float32 or int8 [out_features, in_features] */
+    const void *weight; /* float32 or int8 [out_features, in_features], or packed (kind 2) */
     const float *scale; /* [out_features] for the int8 kinds */
     const float *bias;  /* [out_features] or NULL */
 } LoomLinear;
@@ -715,17 +938,17 @@ typedef struct {
     const float *q_norm, *k_norm; /* NULL: no QK norm */
 } LoomDecoderLayer;
 
-/* Workspace for quantised activations: xq [m, max_k] int8, xs [m, max_k / 32]. */
-static void linear_any_body(const LoomLinear *l, const float *x, int64_t m, float *y, int8_t *xq,
-                            float *xs) {
+/* q: the workspace for quantised activations, sized for m rows of the widest input. */
+static void linear_any_body(const LoomLinear *l, const float *x, int64_t m, float *y,
+                            const QuantBuffers *q) {
     if (l->kind == 0) {
         f32_body(x, m, l->in_features, (const float *)l->weight, l->bias, l->out_features, y);
     } else if (l->kind == 1) {
         w8_body(x, m, l->in_features, (const int8_t *)l->weight, l->scale, l->bias,
                 l->out_features, y);
     } else {
-        quantize_rows_body(x, m, l->in_features, xq, xs);
-        w8a8_body(xq, xs, m, l->in_features, (const int8_t *)l->weight, l->kind == 3, l->scale,
+        quantize_rows_body(x, m, l->in_features, q->xq, q->xs, q->xsum);
+        w8a8_body(q->xq, q->xs, q->xsum, m, l->in_features, (const uint8_t *)l->weight, l->scale,
                   l->bias, l->out_features, y);
     }
 }
@@ -755,9 +978,8 @@ static inline __m256 gated_act256(__m256 g, __m256 u, int activation) {
 
 /* Buffers one layer needs, shared by the threads of the step's parallel region. */
 typedef struct {
-    float *h, *qkv, *q, *k, *q_rot, *k_rot, *attn, *scores, *gu, *act;
-    int8_t *xq;
-    float *xs;
+    float *h, *qkv, *q, *k, *q_rot, *k_rot, *attn, *gu, *act;
+    QuantBuffers quant;
 } Workspace;
 
 /* x += norm(h) with Gemma's sandwich norms (`norm` the post-attention or post-feedforward
@@ -775,16 +997,16 @@ static void add_block_output(const LoomDecoderLayer *L, const float *norm, const
 /* One layer, called by every thread of the enclosing parallel region. */
 static void decode_layer_body(const LoomDecoderLayer *L, float *x, int64_t m, const float *cos_t,
                               const float *sin_t, void *k_cache, void *v_cache, int f16,
-                              const int64_t *slots, const int64_t *q_start, int64_t num_seqs,
+                              const int64_t *slots, const int64_t *q_start,
                               const int64_t *block_tables, int64_t max_blocks,
-                              const int64_t *seq_lens, int64_t block_size, int64_t max_len,
+                              const int64_t *seq_lens, int64_t block_size, const AttnPlan *plan,
                               const Workspace *ws) {
     const int64_t hid = L->hidden, d = L->head_dim, inter = L->intermediate;
     const int64_t qd = L->heads * d, kd = L->kv_heads * d, qkv_n = qd + 2 * kd;
 
     /* Attention block. */
     rms_norm_body(x, m, hid, L->input_norm, L->norm_offset, L->eps, NULL, ws->h);
-    linear_any_body(&L->qkv, ws->h, m, ws->qkv, ws->xq, ws->xs);
+    linear_any_body(&L->qkv, ws->h, m, ws->qkv, &ws->quant);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; r++) {
         memcpy(ws->q + r * qd, ws->qkv + r * qkv_n, (size_t)qd * sizeof(float));
@@ -803,14 +1025,14 @@ static void decode_layer_body(const LoomDecoderLayer *L, float *x, int64_t m, co
         store_kv_row((char *)v_cache + at, ws->qkv + r * qkv_n + qd + kd, kd, f16);
     }
     attention_body(ws->q_rot, q_start, k_cache, v_cache, block_tables, max_blocks, seq_lens,
-                   num_seqs, L->heads, L->kv_heads, d, block_size, L->window, L->attn_scale,
-                   L->softcap, ws->scores, max_len, ws->attn, f16);
-    linear_any_body(&L->o, ws->attn, m, ws->h, ws->xq, ws->xs);
+                   L->heads, L->kv_heads, d, block_size, L->window, L->attn_scale, L->softcap,
+                   plan, ws->attn, f16);
+    linear_any_body(&L->o, ws->attn, m, ws->h, &ws->quant);
     add_block_output(L, L->post_attn_norm, ws->h, x, m);
 
     /* Feed-forward block. */
     rms_norm_body(x, m, hid, L->pre_ffn_norm, L->norm_offset, L->eps, NULL, ws->h);
-    linear_any_body(&L->gate_up, ws->h, m, ws->gu, ws->xq, ws->xs);
+    linear_any_body(&L->gate_up, ws->h, m, ws->gu, &ws->quant);
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < m; r++) {
         const float *g = ws->gu + r * 2 * inter, *u = g + inter;
@@ -822,7 +1044,7 @@ static void decode_layer_body(const LoomDecoderLayer *L, float *x, int64_t m, co
         for (; j < inter; j++)
             a[j] = (L->activation == 1 ? gelu_tanh(g[j]) : g[j] / (1.0f + expf(-g[j]))) * u[j];
     }
-    linear_any_body(&L->down, ws->act, m, ws->h, ws->xq, ws->xs);
+    linear_any_body(&L->down, ws->act, m, ws->h, &ws->quant);
     add_block_output(L, L->post_ffn_norm, ws->h, x, m);
 }
 
@@ -866,21 +1088,21 @@ LOOM_EXPORT void loom_decode_layers(const LoomDecoderLayer *layers, int64_t num_
     int64_t head_dim = 0;
     for (int64_t l = 0; l < num_layers; l++)
         head_dim = layers[l].head_dim > head_dim ? layers[l].head_dim : head_dim;
-    ws.scores = (float *)malloc(
-        (size_t)loom_attention_scratch_floats(m, heads, head_dim, max_len) * sizeof(float));
+    const AttnPlan plan = attn_plan(q_start, num_seqs, heads, head_dim, max_len);
     ws.gu = (float *)malloc((size_t)(m * 2 * inter) * sizeof(float));
     ws.act = (float *)malloc((size_t)(m * inter) * sizeof(float));
-    ws.xq = (int8_t *)aligned_alloc(32, (size_t)((m * max_k + 31) / 32 * 32));
-    ws.xs = (float *)malloc((size_t)(m * (max_k / QBLOCK) + 1) * sizeof(float));
+    ws.quant = quant_buffers(m, max_k);
 #pragma omp parallel
     for (int64_t l = 0; l < num_layers; l++) {
         decode_layer_body(&layers[l], x, m, cos_t[l], sin_t[l], k_caches[l], v_caches[l],
                           kv_f16 != 0, slots,
-                          q_start, num_seqs, block_tables, max_blocks, seq_lens, block_size,
-                          max_len, &ws);
+                          q_start, block_tables, max_blocks, seq_lens, block_size, &plan,
+                          &ws);
     }
     free(ws.h), free(ws.qkv), free(ws.q), free(ws.k), free(ws.q_rot), free(ws.k_rot);
-    free(ws.attn), free(ws.scores), free(ws.gu), free(ws.act), free(ws.xq), free(ws.xs);
+    free(ws.attn), free(ws.gu), free(ws.act);
+    free_attn_plan(plan);
+    free_quant_buffers(ws.quant);
 }
 
 /* ---- greedy sampling: argmax and log-sum-exp of each logits row, in one read ---- */

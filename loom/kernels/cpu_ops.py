@@ -56,38 +56,62 @@ def linear_w8(
 ) -> torch.Tensor:
     """x [M, K] float32 @ (weight [N, K] int8 * scale [N] float32).T + bias [N] -> [M, N].
 
-    `quantize_activations=True` rounds each block of 32 activations to int8 (own scale) and
-    multiplies in integers: about twice the speed, slightly less exact; needs K % 32 == 0.
-    `layout="quad"` (with quantize_activations) takes the weight as `to_quad_layout` stores
-    it, [N/4, K/32, 4, 32]; the result is the same as from the row-major weight.
+    `quantize_activations=True` (w8a8) rounds each block of 32 activations to int8 (own scale)
+    and multiplies in integers, by one arithmetic for any M; needs K % 32 == 0. Its weight is
+    `layout="packed"` (uint8, as `loom.models.quant.to_packed_layout` stores it) or row-major
+    int8 (`"rows"`: packed here on every call, for tests); both give the same bits.
     """
+    _check(x, "x", torch.float32)
+    _check(scale, "scale", torch.float32)
+    m, k = x.shape
+    n = scale.shape[0]
+    if layout not in ("rows", "packed"):
+        raise ValueError(f"unknown weight layout {layout!r}")
+    if layout == "packed" and not quantize_activations:
+        raise ValueError("the packed layout is read by the w8a8 kernel only")
+    if quantize_activations and k % 32:
+        raise ValueError(f"quantize_activations needs K % 32 == 0, got K = {k}")
+    if layout == "packed":
+        _check(weight, "weight", torch.uint8)
+        shape_ok = weight.shape == (-(-n // 8), k // 4, 8, 4)
+    else:
+        _check(weight, "weight", torch.int8)
+        shape_ok = weight.shape == (n, k)
+    if not shape_ok or scale.dim() != 1:
+        raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)} ({layout}), "
+                         f"scale {tuple(scale.shape)} do not match")
+    if bias is not None:
+        _check(bias, "bias", torch.float32)
+    if quantize_activations and layout == "rows":
+        from loom.models.quant import to_packed_layout
+
+        weight = to_packed_layout(weight)
+    y = torch.empty((m, n), dtype=torch.float32)
+    lib = _lib()
+    fn = lib.loom_linear_w8a8_packed if quantize_activations else lib.loom_linear_w8
+    fn(
+        x.data_ptr(), m, k, weight.data_ptr(), scale.data_ptr(),
+        None if bias is None else bias.data_ptr(), n, y.data_ptr(),
+    )
+    return y
+
+
+def linear_w8a8_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """The w8a8 arithmetic computed one output at a time in plain C (row-major int8 weight):
+    what `linear_w8(..., quantize_activations=True)` must equal bit for bit."""
     _check(x, "x", torch.float32)
     _check(weight, "weight", torch.int8)
     _check(scale, "scale", torch.float32)
     m, k = x.shape
-    n = scale.shape[0]
-    if layout == "quad":
-        if not quantize_activations:
-            raise ValueError("the quad layout is read by the w8a8 kernel only")
-        shape_ok = weight.shape == (n // 4, k // 32, 4, 32) and n % 4 == 0
-    elif layout == "rows":
-        shape_ok = weight.shape == (n, k)
-    else:
-        raise ValueError(f"unknown weight layout {layout!r}")
-    if not shape_ok or scale.dim() != 1:
-        raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)} ({layout}), "
-                         f"scale {tuple(scale.shape)} do not match")
-    if quantize_activations and k % 32:
-        raise ValueError(f"quantize_activations needs K % 32 == 0, got K = {k}")
+    n = weight.shape[0]
+    if weight.shape != (n, k) or k % 32 or scale.shape != (n,):
+        raise ValueError(f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"scale {tuple(scale.shape)} do not match (K % 32 == 0)")
     if bias is not None:
         _check(bias, "bias", torch.float32)
     y = torch.empty((m, n), dtype=torch.float32)
-    lib = _lib()
-    if layout == "quad":
-        fn = lib.loom_linear_w8a8_quad
-    else:
-        fn = lib.loom_linear_w8a8 if quantize_activations else lib.loom_linear_w8
-    fn(
+    _lib().loom_linear_w8a8_ref(
         x.data_ptr(), m, k, weight.data_ptr(), scale.data_ptr(),
         None if bias is None else bias.data_ptr(), n, y.data_ptr(),
     )
@@ -137,20 +161,18 @@ def paged_attention(
     _check(kv_cache, "kv_cache", kv_cache.dtype)
     _check(block_tables, "block_tables", torch.int64)
     _check(seq_lens, "seq_lens", torch.int64)
-    t, h, d = q.shape
+    _, h, d = q.shape
     _, _, block_size, hkv, d_cache = kv_cache.shape
     s = seq_lens.shape[0]
     if (d_cache != d or h % hkv or block_tables.shape[0] != s
             or query_start_loc.shape != (s + 1,)):
         raise ValueError("q, query_start_loc, kv_cache, block_tables and seq_lens do not match")
     lib = _lib()
-    scratch = torch.empty(lib.loom_attention_scratch_floats(t, h, d, max_seq_len),
-                          dtype=torch.float32)
     out = torch.empty_like(q)
     lib.loom_paged_attention(
         q.data_ptr(), query_start_loc.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
         block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), s, h, hkv, d,
-        block_size, window or 0, scale, softcap or 0.0, scratch.data_ptr(), max_seq_len,
+        block_size, window or 0, scale, softcap or 0.0, max_seq_len,
         out.data_ptr(), int(kv_cache.dtype == torch.float16),
     )
     return out

@@ -80,7 +80,8 @@ class KVTransferConfig:
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """What a stored block must match to be loaded: the weights, dtypes and KV layout.
+    """What a stored block must match to be loaded: the weights, everything that changes
+    the numbers (dtypes, quantization, prefill dtype, kernels) and the KV layout.
 
     A block is one tensor of `block_shape` = [layers, 2 (K, V), block_size, kv heads, head
     dim] in `kv_cache_dtype`."""
@@ -95,6 +96,14 @@ class KVCacheSpec:
     # The weights' mode (None, "int8", "w8a8"): K/V computed from int8 weights differ from
     # the float ones, so a store never mixes them.
     quantization: str | None = None
+    # The dtype prefill chunks and large batches multiplied in (`prefill_dtype`; None: the
+    # same arithmetic as decode): K/V from a bf16 prefill differ from K/V computed in int8 /
+    # float32, so an engine with the other setting loads none of them.
+    large_batch_dtype: str | None = None
+    # Which kernels computed the K/V: `loom.kernels.KERNEL_ARITHMETIC` for Loom's C kernels
+    # (bumped whenever a kernel change can move a bit), else "torch-<device type>". The same
+    # mode on other kernels gives other bits, and a store never mixes them.
+    arithmetic: str = ""
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:

@@ -1,4 +1,4 @@
-"""Small steps (decodes, short appends) through one C call for all layers (`loom_decode_layers`).
+"""Steps through one C call for all decoder layers (`loom_decode_layers`).
 
 A decode step computes one token per sequence; in eager PyTorch its cost on a CPU is mostly
 per-operation overhead (about 25 small ops per layer, each waking the thread pool). When
@@ -7,6 +7,12 @@ q/k/v and gate/up projections, float32 or int8 weights, rotate-half RoPE, SiLU o
 tanh-GELU) and the KV cache is float32 or float16 on the CPU, `FusedDecoder` runs all layers in a
 single call into Loom's C kernels (one OpenMP parallel region for the whole step), with the
 same kernels the modules call one by one.
+
+In w8a8 (the default mode) it runs every step, prefill chunks of any size included: one
+arithmetic per token (int8 products summed exactly, float operations in a fixed order per
+row, attention split at absolute key positions), so a token's logits are the same bits
+whatever its chunk, batch or cache history. With float32 or weight-only int8 weights it runs
+steps of up to FUSED_MAX_TOKENS tokens and larger ones use the modules (torch's matmuls).
 
 The descriptors hold raw pointers to the model's weights; the decoder keeps references to
 those tensors. Replacing weights after the first decode needs
@@ -31,9 +37,9 @@ from loom.kernels import (
 from loom.models.layers import GatedMLP, Linear, RMSNorm, SelfAttention
 from loom.models.quant import Int8Linear
 
-# Steps with at most this many tokens run fused: decodes, and short chunks such as a live
-# append (the attention kernel is causal within a chunk). Longer prefills use the modules,
-# where torch's batched attention and matmuls pay off.
+# Outside w8a8, steps with at most this many tokens run fused: decodes, and short chunks
+# such as a live append (the attention kernel is causal within a chunk). Longer prefills use
+# the modules, where torch's float matmuls pay off.
 FUSED_MAX_TOKENS = 32
 
 _ACTIVATION_CODES = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
@@ -79,7 +85,9 @@ def _f32(t: torch.Tensor | None, keep: list[torch.Tensor]) -> int | None:
 def _linear(module: nn.Module | None, keep: list[torch.Tensor]) -> _LinearDesc:
     if isinstance(module, Int8Linear):
         keep.append(module.weight_q)
-        kind = (3 if module.layout == "quad" else 2) if module.quantize_activations else 1
+        if module.quantize_activations and module.layout != "packed":
+            raise _Unsupported("w8a8 weight not packed for the kernels")
+        kind = 2 if module.quantize_activations else 1
         return _LinearDesc(
             kind, 0, module.in_features, module.out_features, module.weight_q.data_ptr(),
             _f32(module.scales_f32, keep), _f32(module.bias, keep),
@@ -135,11 +143,24 @@ def _describe(layer: nn.Module, keep: list[torch.Tensor]) -> _LayerDesc:
     )
 
 
+def _all_w8a8(layers: list[nn.Module]) -> bool:
+    """Every linear layer is w8a8 on the kernels and none multiplies large calls in another
+    dtype (an explicit bf16 prefill keeps large steps on the modules)."""
+    linears = [m for layer in layers for m in layer.modules()
+               if isinstance(m, nn.Linear | Int8Linear)]
+    return bool(linears) and all(
+        isinstance(m, Int8Linear) and m.layout == "packed"
+        and m.large_batch_dtype == torch.float32 for m in linears
+    )
+
+
 class FusedDecoder:
     """Runs pure-decode steps of a model's decoder layers in one C call."""
 
     def __init__(self, layers: list[nn.Module], descs: list[_LayerDesc],
-                 keep: list[torch.Tensor]) -> None:
+                 keep: list[torch.Tensor], any_size: bool = False) -> None:
+        """`any_size`: run steps of any number of tokens (w8a8 layers), else at most
+        FUSED_MAX_TOKENS."""
         self.layers = layers
         self._descs = (_LayerDesc * len(descs))(*descs)
         self._keep = keep  # the tensors the descriptors point into stay alive
@@ -151,20 +172,16 @@ class FusedDecoder:
             ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, i64, ptr, i64, i64, i64,
         ]
         self._fn.restype = None
-        # Layers sharing a rotary spec share cos/sin tables (Gemma: local and global), written
-        # each step into buffers whose addresses the C call gets (pointer arrays built once).
-        rope_keys = [(layer.self_attn.rotary.spec, layer.self_attn.rotary.head_dim)
-                     for layer in layers]
-        self._rope: dict[object, tuple[Any, torch.Tensor, torch.Tensor]] = {}
-        for layer, key in zip(layers, rope_keys, strict=True):
-            if key not in self._rope:
-                table = torch.empty(2, FUSED_MAX_TOKENS, key[1], dtype=torch.float32)
-                self._rope[key] = (layer.self_attn.rotary, table[0], table[1])
-        n = len(layers)
-        self._cos_ptrs = (ctypes.c_void_p * n)(
-            *[self._rope[k][1].data_ptr() for k in rope_keys])
-        self._sin_ptrs = (ctypes.c_void_p * n)(
-            *[self._rope[k][2].data_ptr() for k in rope_keys])
+        self.max_tokens = None if any_size else FUSED_MAX_TOKENS
+        # Layers sharing a rotary spec share cos/sin rows (Gemma: local and global), read each
+        # step from the rotary's position table.
+        self._rotaries: dict[object, Any] = {}
+        self._rope_slot: list[int] = []
+        for layer in layers:
+            rotary = layer.self_attn.rotary
+            key = (rotary.spec, rotary.head_dim)
+            self._rotaries.setdefault(key, rotary)
+            self._rope_slot.append(list(self._rotaries).index(key))
         self._cache_ptrs: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
 
     @classmethod
@@ -179,15 +196,16 @@ class FusedDecoder:
             descs = [_describe(layer, keep) for layer in layers]
         except _Unsupported as exc:
             return None, str(exc)
-        return cls(list(layers), descs, keep), "ok"
+        return cls(list(layers), descs, keep, any_size=_all_w8a8(layers)), "ok"
 
-    @staticmethod
-    def applies(hidden: torch.Tensor, md: AttentionMetadata, kv_caches: list[torch.Tensor]) -> bool:
-        """True for a small step (at most FUSED_MAX_TOKENS tokens: decodes, short appends) on
-        float32 CPU tensors with nothing for autograd (the decoder is built only over layers
-        whose parameters do not require gradients), with float32 or float16 KV caches."""
+    def applies(self, hidden: torch.Tensor, md: AttentionMetadata,
+                kv_caches: list[torch.Tensor]) -> bool:
+        """True for a step within `max_tokens` (any step in w8a8; else decodes and short
+        appends) on float32 CPU tensors with nothing for autograd (the decoder is built only
+        over layers whose parameters do not require gradients), with float32 or float16 KV
+        caches."""
         return (
-            md.num_tokens <= FUSED_MAX_TOKENS
+            (self.max_tokens is None or md.num_tokens <= self.max_tokens)
             and use_cpu_kernels(hidden)
             and len({c.dtype for c in kv_caches}) == 1
             and all(c.dtype in KV_CACHE_KERNEL_DTYPES and c.is_contiguous() for c in kv_caches)
@@ -215,12 +233,13 @@ class FusedDecoder:
         tables, seq_lens = md.block_tables.contiguous(), md.seq_lens.contiguous()
         q_start = md.query_start_loc.contiguous()
         slots = md.slot_mapping.contiguous()
-        for rotary, cos, sin in self._rope.values():
-            rotary.cos_sin_into(positions, cos[:m], sin[:m])
+        rope = [rotary.position_table(positions) for rotary in self._rotaries.values()]
         n = len(self.layers)
+        cos_ptrs = (ctypes.c_void_p * n)(*[rope[i][0].data_ptr() for i in self._rope_slot])
+        sin_ptrs = (ctypes.c_void_p * n)(*[rope[i][1].data_ptr() for i in self._rope_slot])
         k_ptrs, v_ptrs = self._caches(kv_caches)
         self._fn(
-            ctypes.addressof(self._descs), n, x.data_ptr(), m, self._cos_ptrs, self._sin_ptrs,
+            ctypes.addressof(self._descs), n, x.data_ptr(), m, cos_ptrs, sin_ptrs,
             k_ptrs, v_ptrs, slots.data_ptr(), q_start.data_ptr(), md.num_seqs, tables.data_ptr(),
             tables.shape[1], seq_lens.data_ptr(), md.block_size, max(md.seq_lens_list),
             int(kv_caches[0].dtype == torch.float16),

@@ -1,14 +1,16 @@
 """int8 linear layers ("int8": weight-only; "w8a8": int8 activations too), swapped into a model.
 
 Weights are per-output-channel symmetric int8 (w[n, k] ~ w_int8[n, k] * scale[n]). Float32
-activations on a CPU with Loom's compiled kernels (`loom.kernels`) run through an AVX2
-kernel that reads the int8 weights once per step: "int8" keeps the activations in float32,
-"w8a8" rounds them to int8 per block of 32 and multiplies in integers (weights stored in the
-streaming "quad" layout). Elsewhere small batches use `aten._weight_int8pack_mm` on bfloat16
-activations. Large batches (prefill) dequantise and use the float matmul, "w8a8" after
-rounding the activations as the kernel does (the paths agree to float rounding). The embedding
-lookup stays exact: a tied output projection gets its own int8 copy while the embedding table
-keeps the model dtype.
+activations on a CPU with Loom's compiled kernels (`loom.kernels`) run through C kernels:
+"w8a8" rounds the activations to int8 per block of 32 and multiplies in integers (vpdpbusd
+on VNNI CPUs), with the weight packed for that kernel; it serves every call, one decode row
+or a prefill chunk of thousands, by one arithmetic (see `w8a8_body` in cpu_kernels.c), so a
+row's result is the same bits in any batch. "int8" keeps the activations in float32 and uses
+its kernel for small calls. Elsewhere small batches use `aten._weight_int8pack_mm` on
+bfloat16 activations, and large ones dequantise and use the float matmul ("w8a8" after
+rounding the activations as the kernel does), which agrees with the kernel to float
+rounding only. The embedding lookup stays exact: a tied output projection gets its own int8
+copy while the embedding table keeps the model dtype.
 
 Measured and rejected on an AVX2 CPU (Gemma 3 270M, teacher-forced top-1 vs float32):
 fbgemm's `quantized::linear_dynamic` is about 2x faster but quantises activations per call
@@ -51,23 +53,37 @@ def round_activations_q8(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inverse) * scale).view(rows, k)
 
 
-def to_quad_layout(w_int8: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> rows 4q..4q+3 interleaved in blocks of 32 ([N/4, K/32, 4, 32], contiguous)."""
+# Output columns per group of the packed layout (one vector of int32 sums in the kernel).
+PACKED_COLUMNS = 8
+
+
+def to_packed_layout(w_int8: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 -> the w8a8 kernel's layout: uint8 [ceil(N/8), K/4, 8, 4] holding w + 128,
+    columns in groups of 8, each group's K in steps of 4 (the last group padded with zero
+    weights). See `w8a8_body` in cpu_kernels.c."""
     n, k = w_int8.shape
-    return w_int8.view(n // 4, 4, k // 32, 32).permute(0, 2, 1, 3).contiguous()
+    groups = -(-n // PACKED_COLUMNS)
+    padded = torch.zeros(groups * PACKED_COLUMNS, k, dtype=torch.int16)
+    padded[:n] = w_int8.to(torch.int16)
+    packed = padded.view(groups, PACKED_COLUMNS, k // 4, 4).permute(0, 2, 1, 3) + 128
+    return packed.to(torch.uint8).contiguous()
 
 
-def from_quad_layout(w_quad: torch.Tensor) -> torch.Tensor:
-    """Inverse of `to_quad_layout`: back to row-major [N, K]."""
-    quads, blocks = w_quad.shape[:2]
-    return w_quad.permute(0, 2, 1, 3).reshape(quads * 4, blocks * 32)
+def from_packed_layout(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of `to_packed_layout`: the row-major int8 weight [N, K]."""
+    groups, steps = packed.shape[:2]
+    rows = (packed.to(torch.int16) - 128).permute(0, 2, 1, 3).reshape(groups * PACKED_COLUMNS,
+                                                                      steps * 4)
+    return rows[:n].to(torch.int8).contiguous()
 
 
 class Int8Linear(nn.Module):
     """y = x @ (w_int8 * scale).T + bias, reading int8 weights at run time.
 
     `weight_q` holds the int8 weight row-major, or, in w8a8 mode on a machine with the CPU
-    kernels, in the "quad" layout those kernels stream fastest (`layout == "quad"`).
+    kernels, packed as their w8a8 kernel reads it (`layout == "packed"`, `to_packed_layout`):
+    then every call, a decode row or a prefill chunk of any size, runs that kernel, so a row's
+    result is the same bits whatever else is in the call.
     """
 
     def __init__(
@@ -77,23 +93,23 @@ class Int8Linear(nn.Module):
         # w8a8: the CPU kernel also rounds activations to int8 per block of 32 (small batches).
         self.quantize_activations = quantize_activations and weight.shape[1] % 32 == 0
         self.out_features, self.in_features = n, k = weight.shape
-        quad = (self.quantize_activations and self.out_features % 4 == 0
-                and cpu_kernels_available())
-        self.layout = "quad" if quad else "rows"
+        packed = self.quantize_activations and cpu_kernels_available()
+        self.layout = "packed" if packed else "rows"
         if weight.is_meta:  # rebuilding a cached model's structure: shapes only, no op runs
             meta = {"device": "meta"}
-            w_q = torch.empty((n // 4, k // 32, 4, 32) if quad else (n, k), dtype=torch.int8,
-                              **meta)
+            groups = -(-n // PACKED_COLUMNS)
+            w_q = (torch.empty((groups, k // 4, PACKED_COLUMNS, 4), dtype=torch.uint8, **meta)
+                   if packed else torch.empty((n, k), dtype=torch.int8, **meta))
             scales = torch.empty(n, dtype=torch.bfloat16, **meta)
             scales_f32 = torch.empty(n, dtype=torch.float32, **meta)
             bias_f32 = None if bias is None else torch.empty(n, dtype=torch.float32, **meta)
         else:
             w_int8, scales = quantize_weight_int8(weight)
-            w_q = to_quad_layout(w_int8) if quad else w_int8
+            w_q = to_packed_layout(w_int8) if packed else w_int8
             scales_f32 = scales.float()
             bias_f32 = None if bias is None else bias.detach().float().clone()
         # What calls of at least DEQUANTIZE_MIN_ROWS rows multiply in (float32 inputs only):
-        # bfloat16 where the host's bf16 matmul is faster (`set_large_batch_dtype`).
+        # bfloat16 when explicitly asked for (`prefill_dtype`, `set_large_batch_dtype`).
         self.large_batch_dtype = torch.float32
         self.register_buffer("weight_q", w_q)
         self.register_buffer("scales", scales)  # bfloat16, the kernel's activation dtype
@@ -101,18 +117,30 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", bias_f32)
 
     def row_major_int8(self) -> torch.Tensor:
-        """The int8 weight [N, K], row-major (a copy when stored in the quad layout)."""
-        return from_quad_layout(self.weight_q) if self.layout == "quad" else self.weight_q
+        """The int8 weight [N, K], row-major (a copy when stored packed)."""
+        if self.layout == "packed":
+            return from_packed_layout(self.weight_q, self.out_features)
+        return self.weight_q
 
     def dequantized_weight(self) -> torch.Tensor:
         """The float32 weight this layer computes with (for tests and inspection)."""
         return self.row_major_int8().float() * self.scales.float()[:, None]
 
+    def _kernel_applies(self, x: torch.Tensor, rows: int) -> bool:
+        """w8a8 (packed) runs every call on the kernel, so a row's bits never depend on the
+        call's size, unless large calls were explicitly asked to multiply in another dtype;
+        weight-only int8 uses it below KERNEL_MAX_ROWS rows."""
+        if not use_cpu_kernels(x):
+            return False
+        if self.layout == "packed":
+            return rows < DEQUANTIZE_MIN_ROWS or self.large_batch_dtype == torch.float32
+        return rows < KERNEL_MAX_ROWS
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer to x [..., K] -> [..., N] in x's dtype."""
         lead = x.shape[:-1]
         rows = x.numel() // self.in_features
-        if rows < KERNEL_MAX_ROWS and use_cpu_kernels(x):
+        if self._kernel_applies(x, rows):
             x32 = x.reshape(rows, self.in_features).contiguous()
             bias = None if self.bias is None else self.bias.float()
             y = linear_w8(
@@ -153,6 +181,9 @@ def set_large_batch_dtype(model: nn.Module, dtype: torch.dtype) -> None:
             module.large_batch_dtype = dtype
         elif isinstance(module, Linear) and module.weight.dtype == torch.float32:
             module.set_large_batch_dtype(dtype)
+    invalidate = getattr(model, "invalidate_fused_decoder", None)
+    if invalidate is not None:  # which steps the fused decoder may take depends on it
+        invalidate()
 
 
 def quantize_model_int8(model: nn.Module, quantize_activations: bool = False) -> nn.Module:

@@ -86,6 +86,10 @@ def inverse_frequencies(spec: RopeSpec, rotary_dim: int) -> torch.Tensor:
     return inv_freq
 
 
+# Positions per block of `RotaryEmbedding.position_table`.
+TABLE_BLOCK = 256
+
+
 class RotaryEmbedding(nn.Module):
     """Applies rotate-half (NeoX-style) rotary embedding to q [T, H, D] and k [T, Hkv, D]."""
 
@@ -95,6 +99,7 @@ class RotaryEmbedding(nn.Module):
         self.spec = spec
         # Plain attribute (not a buffer): survives meta-device construction and weight loads.
         self._inv_freq = inverse_frequencies(spec, head_dim)
+        self._table: torch.Tensor | None = None  # [2 (cos, sin), positions, D], see below
 
     def _angles(self, positions: torch.Tensor) -> torch.Tensor:
         """Float32 rotation angles [T, D] (each frequency twice, rotate-half order)."""
@@ -108,11 +113,25 @@ class RotaryEmbedding(nn.Module):
         emb = self._angles(positions)[:, None, :]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def cos_sin_into(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Write the float32 tables [T, D] of `cos_sin` into `cos` and `sin` (same values)."""
-        emb = self._angles(positions)
-        torch.cos(emb, out=cos)
-        torch.sin(emb, out=sin)
+    def position_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 cos/sin rows [T, D] for CPU `positions`, read from a table of every position
+        up to the largest seen.
+
+        The table grows in blocks of TABLE_BLOCK positions, each computed by the same call on
+        a tensor of the same shape, so a position's row is the same bits whichever step, batch
+        or chunk first needs it (torch's vectorised cos and its scalar tail can differ in the
+        last bit, and which one an element meets depends on its offset in the call)."""
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        table = self._table
+        if table is None or table.shape[1] < needed:
+            have = 0 if table is None else table.shape[1]
+            blocks = [table] if table is not None else []
+            for start in range(have, needed, TABLE_BLOCK):
+                block = torch.arange(start, start + TABLE_BLOCK, dtype=torch.int64)
+                emb = self._angles(block)
+                blocks.append(torch.stack((emb.cos(), emb.sin())))
+            table = self._table = torch.cat(blocks, dim=1)
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -46,7 +46,7 @@ def build_model(
     source = locate_model_files(resolve_model_path(path))
     cache = None
     if source.format == "gguf" and os.environ.get("LOOM_PREPARED_CACHE", "1") != "0":
-        layout = "quad" if quantization == "w8a8" and cpu_kernels_available() else "rows"
+        layout = "packed" if quantization == "w8a8" and cpu_kernels_available() else "rows"
         cache = prepared_path(source.path, dtype, quantization, layout)
         stored = read_prepared_config(cache)
         if stored is not None:

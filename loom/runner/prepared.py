@@ -34,7 +34,7 @@ from loom.models.base import CausalLM
 logger = logging.getLogger("loom")
 
 # Bump when what a prepared file holds changes (module tree, layouts, quantisation rules).
-FORMAT = "2"
+FORMAT = "3"
 # Prepared entries kept on disk (the least recently used beyond these are deleted).
 KEEP = 3
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
+from engine.helpers import make_engine
 
 from loom.engine.mode import (
     BF16_MIN_SPEEDUP,
@@ -11,6 +14,8 @@ from loom.engine.mode import (
     choose_mode,
     measure_bf16_speedup,
 )
+from loom.errors import InvalidRequestError
+from loom.server.cli import add_engine_args, engine_args_from
 
 AVX2 = HostInfo("cpu", frozenset({"avx2", "fma"}), cpu_kernels=True, bf16_speedup=0.15)
 AVX512_BF16 = HostInfo("cpu", frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni"}),
@@ -27,34 +32,66 @@ def auto(quantized: bool, host: HostInfo) -> ExecutionMode:
 
 
 def test_a_quantized_gguf_runs_w8a8_with_a_float16_kv_cache_on_the_cpu_kernels() -> None:
-    assert auto(True, AVX2) == ExecutionMode("float32", "w8a8", "float16")
-    # Hosts with native bf16 that measures faster multiply compute-bound calls in bf16.
-    for host in (AVX512_BF16, AMX):
-        assert auto(True, host) == ExecutionMode("float32", "w8a8", "float16", "bfloat16")
+    # Every host, native bf16 or not, computes prefill with the same arithmetic as decode.
+    for host in (AVX2, AVX512_BF16, AMX):
+        assert auto(True, host) == ExecutionMode("float32", "w8a8", "float16")
 
 
-def test_prefill_in_bf16_needs_native_bf16_and_a_measured_speedup() -> None:
-    slow = HostInfo("cpu", AVX512_BF16.cpu_flags, cpu_kernels=True, bf16_speedup=1.1)
-    assert auto(True, slow).large_batch_dtype is None
-    # An AVX2 host never takes bf16, whatever a (noisy) probe said: it is emulated there.
-    lucky = HostInfo("cpu", AVX2.cpu_flags, cpu_kernels=True, bf16_speedup=3.0)
-    assert auto(True, lucky).large_batch_dtype is None
-    # An explicit dtype computes every call in it; "auto" lets prefill take bf16, with int8
-    # or exact float weights alike.
-    assert choose_mode("bfloat16", "int8", "auto", True, AMX).large_batch_dtype is None
-    assert choose_mode("float32", "int8", "auto", True, AMX).large_batch_dtype is None
-    assert choose_mode("float32", None, "auto", True, AMX).large_batch_dtype is None
-    assert choose_mode("auto", "int8", "auto", True, AMX).large_batch_dtype == "bfloat16"
-    assert choose_mode("auto", None, "auto", True, AMX) == ExecutionMode(
-        "float32", None, "float32", "bfloat16")
+def test_auto_never_picks_a_bf16_prefill() -> None:
+    """Bit-identical logits across batching and chunking need one arithmetic for every call,
+    so bf16 prefill is only ever an explicit choice, however fast bf16 measures."""
+    fast = HostInfo("cpu", AMX.cpu_flags, cpu_kernels=True, bf16_speedup=100.0)
+    for host in (AVX2, AVX512_BF16, AMX, fast, NO_KERNELS, CUDA):
+        for quantization in ("auto", "int8", "w8a8", None):
+            for quantized in (True, False):
+                mode = choose_mode("auto", quantization, "auto", quantized, host)
+                assert mode.large_batch_dtype is None
+                assert choose_mode("auto", quantization, "auto", quantized, host,
+                                   prefill_dtype="auto") == mode
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "bf16"])
+def test_an_explicit_bf16_prefill_multiplies_compute_bound_calls_in_bf16(name) -> None:
+    # On float32 activations on a CPU, with int8 or float weights, on any ISA (on AVX2 it is
+    # emulated: slow, but what was asked for).
+    assert choose_mode("auto", "auto", "auto", True, AMX, prefill_dtype=name) == ExecutionMode(
+        "float32", "w8a8", "float16", "bfloat16")
+    assert choose_mode("auto", "int8", "auto", True, AMX, prefill_dtype=name) == ExecutionMode(
+        "float32", "int8", "float32", "bfloat16")
+    assert choose_mode("float32", None, "auto", False, AVX2, prefill_dtype=name) == (
+        ExecutionMode("float32", None, "float32", "bfloat16"))
+    assert choose_mode("auto", None, "auto", False, NO_KERNELS, prefill_dtype=name) == (
+        ExecutionMode("float32", None, "float32", "bfloat16"))
+
+
+def test_a_float32_or_model_dtype_prefill_is_the_same_arithmetic_as_decode() -> None:
+    for name in ("float32", "fp32"):
+        assert choose_mode("auto", "auto", "auto", True, AMX, prefill_dtype=name) == (
+            auto(True, AMX))
+    # A bfloat16 model already computes every call in bf16.
+    assert choose_mode("bfloat16", None, "auto", False, AMX, prefill_dtype="bf16") == (
+        ExecutionMode("bfloat16", None, "bfloat16"))
+    assert choose_mode("auto", None, "auto", False, CUDA, prefill_dtype="bfloat16") == (
+        ExecutionMode("bfloat16", None, "bfloat16"))
+    assert choose_mode("auto", None, "auto", False, CUDA, prefill_dtype="float32") == (
+        ExecutionMode("bfloat16", None, "bfloat16"))
+
+
+def test_a_bf16_prefill_the_mode_cannot_use_is_an_error() -> None:
+    with pytest.raises(ValueError, match=r"prefill_dtype 'bfloat16' needs float32 .* cuda"):
+        choose_mode("auto", None, "auto", False, OLD_CUDA, prefill_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"needs float32 activations on a CPU.*float16 on cpu"):
+        choose_mode("float16", None, "auto", False, AMX, prefill_dtype="bf16")
+    with pytest.raises(ValueError, match=r"unsupported prefill_dtype 'float16'"):
+        choose_mode("auto", "auto", "auto", True, AMX, prefill_dtype="float16")
+    with pytest.raises(ValueError, match=r"unsupported prefill_dtype 'int4'"):
+        choose_mode("auto", "auto", "auto", True, AMX, prefill_dtype="int4")
 
 
 def test_float_checkpoints_keep_their_weights_and_pick_the_measured_faster_dtype() -> None:
-    # On the kernels: float32 weights (the fused decode), prefill in bf16 where it is native
-    # and measured faster.
-    assert auto(False, AVX2) == ExecutionMode("float32", None, "float32")
-    assert auto(False, AVX512_BF16) == ExecutionMode("float32", None, "float32", "bfloat16")
-    assert auto(False, AMX) == ExecutionMode("float32", None, "float32", "bfloat16")
+    # On the kernels: float32 weights (the fused decode), on every host.
+    for host in (AVX2, AVX512_BF16, AMX):
+        assert auto(False, host) == ExecutionMode("float32", None, "float32")
     # Without the kernels the whole model takes the measured faster dtype.
     no_kernels_amx = HostInfo("cpu", AMX.cpu_flags, cpu_kernels=False, bf16_speedup=3.0)
     assert auto(False, no_kernels_amx) == ExecutionMode("bfloat16", None, "bfloat16")
@@ -101,12 +138,33 @@ def test_unknown_quantization_is_named() -> None:
 
 def test_the_startup_description_names_mode_kv_and_isa() -> None:
     assert auto(True, AVX2).describe(AVX2) == "w8a8, kv float16, cpu avx2"
-    assert auto(True, AVX512_BF16).describe(AVX512_BF16) == (
-        "w8a8, prefill bfloat16, kv float16, cpu avx512-bf16")
-    assert auto(False, AMX).describe(AMX) == "float32, prefill bfloat16, kv float32, cpu amx"
+    assert auto(True, AVX512_BF16).describe(AVX512_BF16) == "w8a8, kv float16, cpu avx512-bf16"
+    assert choose_mode("auto", "auto", "auto", True, AVX512_BF16, prefill_dtype="bf16").describe(
+        AVX512_BF16) == "w8a8, prefill bfloat16, kv float16, cpu avx512-bf16"
+    assert auto(False, AMX).describe(AMX) == "float32, kv float32, cpu amx"
     assert auto(True, CUDA).describe(CUDA) == "bfloat16, kv bfloat16, cuda"
     assert HostInfo("cpu").cpu_isa == "baseline"
 
 
 def test_the_bf16_probe_returns_a_positive_ratio() -> None:
     assert measure_bf16_speedup(rows=8, features=32, out=16) > 0
+
+
+def test_loom_serve_has_a_prefill_dtype_flag() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_args_from(parser.parse_args([])).prefill_dtype == "auto"
+    args = engine_args_from(parser.parse_args(["--prefill-dtype", "bfloat16"]))
+    assert args.prefill_dtype == "bfloat16"
+
+
+def test_an_engine_takes_prefill_dtype_and_rejects_what_its_mode_cannot_use(tiny_models) -> None:
+    folder = tiny_models["llama"][0]
+    engine = make_engine(folder, prefill_dtype="bf16")
+    assert engine.config.mode_summary.startswith("float32, prefill bfloat16, kv float32, cpu")
+    with pytest.raises(InvalidRequestError, match="unsupported prefill_dtype 'int4'"):
+        make_engine(folder, prefill_dtype="int4")
+    with pytest.raises(InvalidRequestError, match="unsupported prefill_dtype 'float16'"):
+        make_engine(folder, prefill_dtype="float16")
+    with pytest.raises(InvalidRequestError, match="needs float32 activations on a CPU"):
+        make_engine(folder, dtype="float16", prefill_dtype="bfloat16")

@@ -137,20 +137,59 @@ def test_linear_f32_matches_matmul_and_is_batch_invariant(m: int, n: int, k: int
         assert torch.equal(linear_f32(x[i : i + 1].contiguous(), w, b), y[i : i + 1])
 
 
-def test_quad_layout_gives_the_row_major_result() -> None:
-    """The interleaved weight layout round-trips and the w8a8 kernel reads it identically."""
-    from loom.models.quant import from_quad_layout, to_quad_layout
+def test_packed_layout_round_trips_and_pads_the_last_column_group() -> None:
+    from loom.models.quant import from_packed_layout, to_packed_layout
 
     g = torch.Generator().manual_seed(9)
-    w = torch.randint(-127, 128, (64, 96), dtype=torch.int8, generator=g)
-    quad = to_quad_layout(w)
-    assert quad.shape == (16, 3, 4, 32)
-    assert torch.equal(from_quad_layout(quad), w)
-    x, scale = torch.randn(3, 96, generator=g), torch.rand(64, generator=g)
-    rows = linear_w8(x, w, scale, None, quantize_activations=True)
-    assert torch.equal(linear_w8(x, quad, scale, None, True, layout="quad"), rows)
-    with pytest.raises(ValueError, match="quad layout is read by the w8a8 kernel only"):
-        linear_w8(x, quad, scale, None, False, layout="quad")
+    w = torch.randint(-127, 128, (61, 96), dtype=torch.int8, generator=g)
+    packed = to_packed_layout(w)
+    assert packed.shape == (8, 24, 8, 4) and packed.dtype == torch.uint8
+    assert torch.equal(from_packed_layout(packed, 61), w)
+    assert packed[7, :, 5:].eq(128).all()  # columns 61..63: zero weights
+    x, scale = torch.randn(3, 96, generator=g), torch.rand(61, generator=g)
+    with pytest.raises(ValueError, match="packed layout is read by the w8a8 kernel only"):
+        linear_w8(x, packed, scale, None, False, layout="packed")
+
+
+@pytest.mark.parametrize(("n", "k"), [(13, 64), (1536, 640), (640, 2048), (70, 96), (8, 32)])
+def test_w8a8_kernel_is_its_reference_arithmetic_bit_for_bit(n: int, k: int) -> None:
+    """Every row count (one row, row tiles, row blocks of 128 and their remainders) and
+    column count (a padded last group, an odd last panel) gives exactly the plain-C result of
+    the documented arithmetic, so no tiling or instruction set changes a bit."""
+    from loom.kernels import linear_w8a8_reference
+    from loom.models.quant import to_packed_layout
+
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scale, bias = torch.rand(n, generator=g) * 0.01, torch.randn(n, generator=g)
+    packed = to_packed_layout(w)
+    x = torch.randn(131, k, generator=g) * 3
+    x[5, :32] = 0.0  # an all-zero block (scale 0)
+    ref = linear_w8a8_reference(x, w, scale, bias)
+    assert torch.equal(linear_w8(x, packed, scale, bias, True, layout="packed"), ref)
+    for rows in (slice(0, 1), slice(7, 10), slice(2, 130)):
+        part = x[rows].contiguous()
+        assert torch.equal(linear_w8(part, packed, scale, bias, True, layout="packed"), ref[rows])
+    no_bias = linear_w8(x[:4].contiguous(), packed, scale, None, True, layout="packed")
+    assert torch.equal(no_bias, linear_w8a8_reference(x[:4].contiguous(), w, scale, None))
+    exact = x.double() @ (w.double() * scale.double()[:, None]).T + bias.double()
+    assert (ref.double() - exact).abs().max() < 0.02 * exact.abs().max()  # int8 rounding only
+
+
+def test_w8a8_reference_sums_blocks_in_order() -> None:
+    """The reference is not just close to a float matmul: summing the blocks in another order
+    changes bits (so the bit-for-bit comparisons above can fail)."""
+    from loom.kernels import linear_w8a8_reference
+
+    g = torch.Generator().manual_seed(3)
+    k = 2048
+    x, w = torch.randn(16, k, generator=g), torch.randint(-127, 128, (64, k), dtype=torch.int8,
+                                                          generator=g)
+    scale = torch.rand(64, generator=g)
+    ref = linear_w8a8_reference(x, w, scale, None)
+    flipped = linear_w8a8_reference(x.flip(-1).contiguous(), w.flip(-1).contiguous(), scale, None)
+    assert not torch.equal(ref, flipped)  # same products and blocks, reversed block order
+    torch.testing.assert_close(ref, flipped, atol=1e-3, rtol=1e-5)
 
 
 def test_argmax_logsumexp_matches_torch_and_takes_the_first_tie() -> None:
@@ -214,6 +253,33 @@ def test_paged_attention_of_a_position_is_the_same_alone_or_in_a_chunk(
         alone = paged_attention(q[t : t + 1], torch.tensor([0, 1]), cache, tables,
                                 torch.tensor([pos_len]), pos_len, 0.2, window, None)
         assert torch.equal(alone[0], chunk[t]), (t, pos_len)
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_paged_attention_of_a_long_chunk_is_the_same_alone_batched_or_in_windows(
+    window: int | None
+) -> None:
+    """A prefill chunk of many units (16 query tokens each), batched with a decode row of
+    another sequence: each row is bit-identical to that position computed alone, also when
+    a huge max_len bound makes the merge scratch split the step into windows of one unit."""
+    g = torch.Generator().manual_seed(10)
+    block, heads, kv_heads, dim = 16, 4, 1, 32
+    cache = torch.randn(2, 64, block, kv_heads, dim, generator=g).to(torch.float16)
+    tables = torch.stack([torch.arange(63, 31, -1), torch.arange(0, 32)])
+    ql, length, other = 75, 400, 333
+    q = torch.randn(ql + 1, heads, dim, generator=g)
+    starts, lens = torch.tensor([0, ql, ql + 1]), torch.tensor([length, other])
+    batched = paged_attention(q, starts, cache, tables, lens, length, 0.2, window, None)
+    windowed = paged_attention(q, starts, cache, tables, lens, 10**7, 0.2, window, None)
+    assert torch.equal(batched, windowed)
+    for t in (0, 15, 16, 40, ql - 1):
+        pos_len = length - ql + 1 + t
+        alone = paged_attention(q[t : t + 1], torch.tensor([0, 1]), cache, tables[:1],
+                                torch.tensor([pos_len]), pos_len, 0.2, window, None)
+        assert torch.equal(alone[0], batched[t]), t
+    decode = paged_attention(q[ql:], torch.tensor([0, 1]), cache, tables[1:],
+                             torch.tensor([other]), other, 0.2, window, None)
+    assert torch.equal(decode[0], batched[ql])
 
 
 def test_paged_attention_rejects_other_cache_dtypes() -> None:
