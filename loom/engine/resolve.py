@@ -73,14 +73,14 @@ def resolve_mode(args: EngineArgs, model_path: Path, device: str) -> tuple[Execu
     return mode, mode.describe(host)
 
 
-def kv_arithmetic(device: str) -> str:
+def kv_arithmetic(device: str, attention_backend: str = "auto") -> str:
     """Which kernels compute K/V on `device` (`KVCacheSpec.arithmetic`): Loom's C kernels
     (`KERNEL_ARITHMETIC`, bumped whenever a kernel change can move a bit) on a CPU where
-    they load, else torch's ops ("torch-cpu", "torch-cuda")."""
+    they load, else torch's ops ("torch-cpu", "torch-cuda"); followed by the attention
+    backend asked for, which decides how steps outside the fused decoder attend."""
     kind = torch.device(device).type
-    if kind == "cpu" and cpu_kernels_available():
-        return KERNEL_ARITHMETIC
-    return f"torch-{kind}"
+    where = KERNEL_ARITHMETIC if kind == "cpu" and cpu_kernels_available() else f"torch-{kind}"
+    return f"{where}/{attention_backend}"
 
 
 def resolve_speculative_config(
@@ -174,7 +174,7 @@ def _build_model_parts(
             block_size=args.block_size, num_layers=model_config.num_layers,
             num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
             quantization=mode.quantization, large_batch_dtype=mode.large_batch_dtype,
-            arithmetic=kv_arithmetic(device),
+            arithmetic=kv_arithmetic(device, args.attention_backend),
         ),
     )
     assert cdiv(max_model_len, args.block_size) <= num_blocks

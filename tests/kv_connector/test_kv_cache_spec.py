@@ -134,8 +134,9 @@ def test_an_engine_with_the_same_settings_loads_every_stored_block(filled_store)
 
 def test_the_arithmetic_names_the_kernels_that_compute(monkeypatch) -> None:
     monkeypatch.setattr(resolve, "cpu_kernels_available", lambda: True)
-    assert resolve.kv_arithmetic("cpu") == KERNEL_ARITHMETIC
-    assert resolve.kv_arithmetic("cuda") == "torch-cuda"
-    assert resolve.kv_arithmetic("cuda:1") == "torch-cuda"
+    assert resolve.kv_arithmetic("cpu") == f"{KERNEL_ARITHMETIC}/auto"
+    assert resolve.kv_arithmetic("cpu", "torch") == f"{KERNEL_ARITHMETIC}/torch"
+    assert resolve.kv_arithmetic("cuda") == "torch-cuda/auto"
+    assert resolve.kv_arithmetic("cuda:1", "triton") == "torch-cuda/triton"
     monkeypatch.setattr(resolve, "cpu_kernels_available", lambda: False)
-    assert resolve.kv_arithmetic("cpu") == "torch-cpu"
+    assert resolve.kv_arithmetic("cpu") == "torch-cpu/auto"
