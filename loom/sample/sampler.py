@@ -88,6 +88,17 @@ def choose_tokens(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
     return tokens.index_copy_(0, index, sampled)
 
 
+def argmax_and_normaliser(raw: Tensor) -> tuple[Tensor | None, Tensor]:
+    """(argmax or None, log-sum-exp) of each row of raw float32 logits [R, V].
+
+    On the CPU kernels both come from one read, by one arithmetic per row whatever the other
+    rows are, so a token's logprob is the same bits in any batch (torch's logsumexp is used
+    only where the kernels are not: it must never serve some rows and the kernel others)."""
+    if use_cpu_kernels(raw):
+        return argmax_logsumexp(raw.contiguous())
+    return None, raw.logsumexp(dim=-1)
+
+
 class Sampler:
     """Samples a batch of rows, each with its own `SamplingParams`; holds no state."""
 
@@ -103,12 +114,11 @@ class Sampler:
         raw = logits.float()
         row_errors: dict[int, Exception] = {}
         processed = process_logits(raw, rows, row_errors)
-        if processed is raw and all(row.greedy for row in rows) and use_cpu_kernels(raw):
-            # Greedy on untouched logits: argmax and the logprob normaliser in one read.
-            tokens, lse = argmax_logsumexp(raw.contiguous())
+        argmax, lse = argmax_and_normaliser(raw)
+        if processed is raw and all(row.greedy for row in rows) and argmax is not None:
+            tokens = argmax  # greedy on untouched logits: no second read
         else:
             tokens = choose_tokens(processed, rows)
-            lse = raw.logsumexp(dim=-1)
         token_lp = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
         parts = [tokens.double(), token_lp.double()]
         # Top logprobs: one topk of the largest N over the rows that ask for N >= 1.
@@ -200,6 +210,6 @@ def sample_from_logits(
             eos_token_ids=eos_token_ids,
         )
         tokens = inverse_cdf(probs.unsqueeze(0), uniforms([generator], n, probs.device))[0]
-    lps = raw[tokens] - raw.logsumexp(dim=-1)
+    lps = raw[tokens] - argmax_and_normaliser(raw.unsqueeze(0))[1][0]
     host = torch.stack([tokens.double(), lps.double()]).tolist()
     return [(int(t), lp) for t, lp in zip(host[0], host[1], strict=True)]
