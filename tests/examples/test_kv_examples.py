@@ -14,10 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from loom.kernels.build import runnable_variants
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-# Variables the examples read: the tests set them, never inherit them.
+# Variables the examples (and the engine's kernel choice) read: the tests set them, never
+# inherit them, so a run does not depend on the environment it was started from.
 EXAMPLE_VARS = ("LOOM_MODEL", "LOOM_EXAMPLE_WORDS", "LOOM_BLOCK_SIZE", "LOOM_EXAMPLE_DIR",
-                "SEGMENTED_PREFILL_BREAK")
+                "SEGMENTED_PREFILL_BREAK", "LOOM_CPU_KERNEL_VARIANT", "LOOM_CPU_KERNELS")
 
 
 @pytest.fixture(params=["tiny", pytest.param("gemma", marks=pytest.mark.slow)])
@@ -79,6 +82,22 @@ def test_disaggregated_prefill_example(tmp_path, model_env):
     assert loaded == expected > 0, report(result)
     assert (tmp_path / "consumer_output.txt").read_text() == \
         (tmp_path / "baseline_output.txt").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(runnable_variants()) < 2, reason="this host runs one kernel variant")
+def test_disaggregated_prefill_text_is_the_same_on_every_host_kind(tmp_path):
+    """The default model's example on the widest kernel variant this host runs and on plain
+    AVX2 (what an AVX2-only host runs): byte-identical texts, so the example's output does
+    not depend on the host."""
+    texts = []
+    for variant in (runnable_variants()[0], "avx2"):
+        work = tmp_path / variant
+        work.mkdir()
+        result = run_example("disaggregated_prefill", work, {"LOOM_CPU_KERNEL_VARIANT": variant})
+        assert result.returncode == 0 and "Outputs match" in result.stdout, report(result)
+        texts.append((work / "consumer_output.txt").read_text())
+    assert texts[0] == texts[1]
 
 
 def test_segmented_prefill_check_fails_when_gaps_are_not_computed(tmp_path, tiny_models):
