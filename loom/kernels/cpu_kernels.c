@@ -647,8 +647,12 @@ LOOM_EXPORT const char *loom_kernel_variant(void) {
 #endif
 
 /* x [k] float -> xq [k] int8, xs [k / 32] float with x ~ xq * xs per block (symmetric), and
- * xsum [k / 32] = 128 * the sum of each block's xq (what the VNNI path's unsigned weights add). */
-static void quantize_row_q8(const float *x, int64_t k, int8_t *xq, float *xs, int32_t *xsum) {
+ * xsum [k / 32] = 128 * the sum of each block's xq (what the VNNI path's unsigned weights add):
+ * scale d = max|x| / 127, q = round-half-even(x * (1 / d)). One element at a time: the
+ * reference `quantize_row_q8` must equal (the default rounding mode is round-half-even, as
+ * lrintf and cvtps2dq use; max and the integer sum are exact in any order). */
+static void quantize_row_q8_scalar(const float *x, int64_t k, int8_t *xq, float *xs,
+                                   int32_t *xsum) {
     for (int64_t b = 0; b < k / QBLOCK; b++) {
         const float *xb = x + b * QBLOCK;
         float amax = 0.0f;
@@ -663,6 +667,40 @@ static void quantize_row_q8(const float *x, int64_t k, int8_t *xq, float *xs, in
             s += q;
         }
         xsum[b] = 128 * s;
+    }
+}
+
+/* quantize_row_q8_scalar, 32 elements per step. */
+static void quantize_row_q8(const float *x, int64_t k, int8_t *xq, float *xs, int32_t *xsum) {
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < k / QBLOCK; b++) {
+        const float *xb = x + b * QBLOCK;
+        __m256 v[4];
+        for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(xb + 8 * i);
+        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], abs_mask),
+                                               _mm256_and_ps(v[1], abs_mask)),
+                                 _mm256_max_ps(_mm256_and_ps(v[2], abs_mask),
+                                               _mm256_and_ps(v[3], abs_mask)));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float amax = _mm_cvtss_f32(h);
+        const float d = amax / 127.0f;
+        const float id = d > 0.0f ? 1.0f / d : 0.0f;
+        xs[b] = d;
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i q[4];
+        for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vid));
+        const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]),
+                                             _mm256_add_epi32(q[2], q[3]));
+        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                                 _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(xq + b * QBLOCK), _mm256_permutevar8x32_epi32(bytes, order));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        xsum[b] = 128 * _mm_cvtsi128_si32(s4);
     }
 }
 
@@ -844,7 +882,7 @@ LOOM_EXPORT void loom_linear_w8a8_ref(const float *x, int64_t m, int64_t k, cons
     const int64_t nb = k / QBLOCK;
     const QuantBuffers q = quant_buffers(m, k);
     for (int64_t r = 0; r < m; r++)
-        quantize_row_q8(x + r * k, k, q.xq + r * k, q.xs + r * nb, q.xsum + r * nb);
+        quantize_row_q8_scalar(x + r * k, k, q.xq + r * k, q.xs + r * nb, q.xsum + r * nb);
     for (int64_t r = 0; r < m; r++)
         for (int64_t c = 0; c < n; c++) {
             float acc = 0.0f;

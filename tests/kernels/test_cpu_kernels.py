@@ -165,6 +165,8 @@ def test_w8a8_kernel_is_its_reference_arithmetic_bit_for_bit(n: int, k: int) -> 
     packed = to_packed_layout(w)
     x = torch.randn(131, k, generator=g) * 3
     x[5, :32] = 0.0  # an all-zero block (scale 0)
+    x[6, :32] = torch.arange(32) - 15.5  # ties, rounded half to even ...
+    x[6, 0] = 127.0  # ... with a scale of exactly 1
     ref = linear_w8a8_reference(x, w, scale, bias)
     assert torch.equal(linear_w8(x, packed, scale, bias, True, layout="packed"), ref)
     for rows in (slice(0, 1), slice(7, 10), slice(2, 130)):
@@ -173,7 +175,9 @@ def test_w8a8_kernel_is_its_reference_arithmetic_bit_for_bit(n: int, k: int) -> 
     no_bias = linear_w8(x[:4].contiguous(), packed, scale, None, True, layout="packed")
     assert torch.equal(no_bias, linear_w8a8_reference(x[:4].contiguous(), w, scale, None))
     exact = x.double() @ (w.double() * scale.double()[:, None]).T + bias.double()
-    assert (ref.double() - exact).abs().max() < 0.02 * exact.abs().max()  # int8 rounding only
+    error = (ref.double() - exact).abs()
+    error[6] = 0  # the outlier block of row 6 rounds coarsely, as meant
+    assert error.max() < 0.02 * exact.abs().max()  # int8 rounding only
 
 
 def test_w8a8_reference_sums_blocks_in_order() -> None:
