@@ -101,8 +101,9 @@ class KVCacheSpec:
     # float32, so an engine with the other setting loads none of them.
     large_batch_dtype: str | None = None
     # Which kernels computed the K/V: `loom.kernels.KERNEL_ARITHMETIC` for Loom's C kernels
-    # (bumped whenever a kernel change can move a bit), else "torch-<device type>". The same
-    # mode on other kernels gives other bits, and a store never mixes them.
+    # (bumped whenever a kernel change can move a bit), else "torch-<device type>", then
+    # "/<attention backend asked for>". The same mode on other kernels gives other bits, and a
+    # store never mixes them.
     arithmetic: str = ""
 
     @property

@@ -31,8 +31,9 @@ def test_the_widest_variant_the_cpu_runs_comes_first() -> None:
 
 def _status_in_subprocess(**env: str) -> str:
     code = "from loom.kernels import kernel_status\nprint(kernel_status())\n"
+    inherited = {k: v for k, v in os.environ.items() if k != build.VARIANT_ENV}
     return subprocess.run(
-        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True,
+        [sys.executable, "-c", code], env={**inherited, **env}, capture_output=True,
         text=True, check=True,
     ).stdout.strip()
 
