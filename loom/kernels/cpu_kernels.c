@@ -214,6 +214,42 @@ static inline void dots_shared_key(const float *q, int64_t ng, const void *key, 
     }
 }
 
+/* dots_shared_key for two keys at once: out0[g] and out1[g] are summed exactly as
+ * dots_shared_key sums them (two 8-lane accumulators per dot over d in steps of 16, hsum,
+ * then the tail in order); sharing each loaded query vector between two keys halves the
+ * loads per multiply-add. 16 accumulators: for CPUs with 32 vector registers. */
+static inline void dots_two_keys(const float *q, int64_t ng, const void *key0, const void *key1,
+                                 int64_t d, int f16, float *out0, float *out1) {
+    for (int64_t g0 = 0; g0 < ng; g0 += 4) {
+        const int64_t n4 = ng - g0 < 4 ? ng - g0 : 4;
+        __m256 a[8], b[8];
+        for (int i = 0; i < 8; i++) a[i] = b[i] = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 16 <= d; j += 16) {
+            const __m256 k00 = load_kv8(key0, j, f16), k01 = load_kv8(key0, j + 8, f16);
+            const __m256 k10 = load_kv8(key1, j, f16), k11 = load_kv8(key1, j + 8, f16);
+            for (int64_t g = 0; g < n4; g++) {
+                const float *qg = q + (g0 + g) * d + j;
+                const __m256 q0 = _mm256_loadu_ps(qg), q1 = _mm256_loadu_ps(qg + 8);
+                a[2 * g] = _mm256_fmadd_ps(q0, k00, a[2 * g]);
+                a[2 * g + 1] = _mm256_fmadd_ps(q1, k01, a[2 * g + 1]);
+                b[2 * g] = _mm256_fmadd_ps(q0, k10, b[2 * g]);
+                b[2 * g + 1] = _mm256_fmadd_ps(q1, k11, b[2 * g + 1]);
+            }
+        }
+        for (int64_t g = 0; g < n4; g++) {
+            float s0 = hsum256(_mm256_add_ps(a[2 * g], a[2 * g + 1]));
+            float s1 = hsum256(_mm256_add_ps(b[2 * g], b[2 * g + 1]));
+            for (int64_t t = j; t < d; t++) {
+                s0 += q[(g0 + g) * d + t] * load_kv1(key0, t, f16);
+                s1 += q[(g0 + g) * d + t] * load_kv1(key1, t, f16);
+            }
+            out0[g0 + g] = s0;
+            out1[g0 + g] = s1;
+        }
+    }
+}
+
 /* exp of 8 floats: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its degree-6 Taylor
  * polynomial (relative error below 2e-7 on that interval), scaled by 2^n. */
 static inline __m256 exp256(__m256 x) {
@@ -248,6 +284,15 @@ static inline __m256 exp256(__m256 x) {
 /* Units of at least this many tokens convert a part's float16 K/V rows to float32 once
  * (exact) instead of once per query token. */
 #define ATTN_CONVERT_MIN 4
+/* Keys per pass of the score loop and floats per value chunk: more where the CPU has 32
+ * vector registers (AVX-512VL) to hold the accumulators. Neither changes any sum's order. */
+#if defined(__AVX512VL__)
+#define ATTN_KEYS_PER_PASS 2
+#define ATTN_VALUE_CHUNK 32
+#else
+#define ATTN_KEYS_PER_PASS 1
+#define ATTN_VALUE_CHUNK 16
+#endif
 /* Bound on the merge scratch (floats): the step's tokens are attended in windows of units
  * whose per-part results fit in it. */
 #define ATTN_SCRATCH_BUDGET (16 * 1024 * 1024)
@@ -298,7 +343,7 @@ static AttnPlan attn_plan(const int64_t *q_start, int64_t s, int64_t h, int64_t 
     p.window_tokens = widest;
     p.threads = omp_get_max_threads();
     p.merge = (float *)malloc((size_t)(widest * per_token + 1) * sizeof(float));
-    p.local_floats = ATTN_UNIT * ATTN_MAX_GROUP * ATTN_PART + (ATTN_PART + 1) * d;
+    p.local_floats = ATTN_UNIT * ATTN_MAX_GROUP * ATTN_PART + (ATTN_PART + 2) * d;
     p.local = (float *)malloc((size_t)(p.threads * p.local_floats) * sizeof(float));
     return p;
 }
@@ -344,46 +389,68 @@ static inline __attribute__((always_inline)) void attend_part(
     if (nk <= 0 || kv0 >= k1) return; /* no key of this part is visible to the unit */
     float *scores = local; /* [ql][ng][ATTN_PART] */
     float *krow = local + ATTN_UNIT * ATTN_MAX_GROUP * ATTN_PART;
-    float *vconv = krow + d; /* [ATTN_PART][d] when converting */
+    float *vconv = krow + 2 * d; /* [ATTN_PART][d] when converting */
     const int convert = f16 && ql >= ATTN_CONVERT_MIN;
 #define SC(t, g) (scores + ((t) * ATTN_MAX_GROUP + (g)) * ATTN_PART)
     const char *vrows[ATTN_PART];
     for (int64_t t = 0; t < ql; t++)
         for (int64_t g = 0; g < ng; g++)
             for (int64_t p = k0; p < kv0; p++) SC(t, g)[p - k0] = -INFINITY;
-    /* Scores: each key read once for every query token and head of the item. */
-    for (int64_t p = kv0; p < k1; p++) {
-        const int64_t slot = (table[p / bs] * bs + p % bs) * hkv + kvh;
-        const char *kv = (const char *)k_cache + slot * row_bytes;
-        vrows[p - k0] = (const char *)v_cache + slot * row_bytes;
-        prefetch_bytes(vrows[p - k0], row_bytes);
-        if (p + ATTN_PREFETCH_KEYS < k1) {
-            const int64_t pf = p + ATTN_PREFETCH_KEYS;
-            prefetch_bytes((const char *)k_cache +
-                               ((table[pf / bs] * bs + pf % bs) * hkv + kvh) * row_bytes,
-                           row_bytes);
-        }
-        const void *key = kv;
+    /* Scores: each key read once for every query token and head of the item, one or two keys
+     * per pass (a masked one of a pair is computed and then overwritten). */
+    for (int64_t p = kv0; p < k1;) {
+        const int64_t npass = ATTN_KEYS_PER_PASS == 2 && p + 1 < k1 ? 2 : 1;
+        const void *key[2];
         int key_f16 = f16;
-        if (convert) {
-            kv_row_to_f32(kv, d, f16, krow);
-            key = krow, key_f16 = 0;
+        for (int64_t i = 0; i < npass; i++) {
+            const int64_t pi = p + i;
+            const int64_t slot = (table[pi / bs] * bs + pi % bs) * hkv + kvh;
+            const char *kv = (const char *)k_cache + slot * row_bytes;
+            vrows[pi - k0] = (const char *)v_cache + slot * row_bytes;
+            prefetch_bytes(vrows[pi - k0], row_bytes);
+            if (pi + ATTN_PREFETCH_KEYS < k1) {
+                const int64_t pf = pi + ATTN_PREFETCH_KEYS;
+                prefetch_bytes((const char *)k_cache +
+                                   ((table[pf / bs] * bs + pf % bs) * hkv + kvh) * row_bytes,
+                               row_bytes);
+            }
+            key[i] = kv;
+            if (convert) {
+                kv_row_to_f32(kv, d, f16, krow + i * d);
+                key[i] = krow + i * d;
+            }
         }
+        if (convert) key_f16 = 0;
         for (int64_t t = 0; t < ql; t++) {
             const int64_t pos = pos_a + t;
-            if (p > pos || (window > 0 && p <= pos - window)) {
-                for (int64_t g = 0; g < ng; g++) SC(t, g)[p - k0] = -INFINITY;
+            int visible[2];
+            for (int64_t i = 0; i < npass; i++)
+                visible[i] = !(p + i > pos || (window > 0 && p + i <= pos - window));
+            if (!visible[0] && (npass == 1 || !visible[1])) {
+                for (int64_t i = 0; i < npass; i++)
+                    for (int64_t g = 0; g < ng; g++) SC(t, g)[p + i - k0] = -INFINITY;
                 continue;
             }
-            float dots[ATTN_MAX_GROUP];
-            dots_shared_key(q + ((ta + t) * h + h0) * d, ng, key, d, key_f16, dots);
-            for (int64_t g = 0; g < ng; g++) {
-                float sc = dots[g] * scale;
-                if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
-                SC(t, g)[p - k0] = sc;
-                if (sc > RES(t, g)[d]) RES(t, g)[d] = sc;
-            }
+            float dots[2][ATTN_MAX_GROUP];
+            const float *qt = q + ((ta + t) * h + h0) * d;
+            if (npass == 2)
+                dots_two_keys(qt, ng, key[0], key[1], d, key_f16, dots[0], dots[1]);
+            else
+                dots_shared_key(qt, ng, key[0], d, key_f16, dots[0]);
+            for (int64_t i = 0; i < npass; i++)
+                for (int64_t g = 0; g < ng; g++) {
+                    float *sc_at = SC(t, g) + (p + i - k0);
+                    if (!visible[i]) {
+                        *sc_at = -INFINITY;
+                        continue;
+                    }
+                    float sc = dots[i][g] * scale;
+                    if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+                    *sc_at = sc;
+                    if (sc > RES(t, g)[d]) RES(t, g)[d] = sc;
+                }
         }
+        p += npass;
     }
     /* Softmax numerators exp(score - max) in place (masked keys: exactly 0), padded with
      * masked scores to a multiple of 8 so the sum has one shape (8 lanes by key index, then
@@ -423,6 +490,24 @@ static inline __attribute__((always_inline)) void attend_part(
             const float *e[4];
             for (int64_t g = 0; g < n4; g++) e[g] = SC(t, g0 + g);
             int64_t c = 0;
+#if ATTN_VALUE_CHUNK == 32
+            for (; c + 32 <= d; c += 32) {
+                __m256 acc[16];
+                for (int i = 0; i < 16; i++) acc[i] = _mm256_setzero_ps();
+                for (int64_t p = kv0 - k0; p < nk; p++) {
+                    __m256 v[4];
+                    for (int i = 0; i < 4; i++) v[i] = load_kv8(vrows[p], c + 8 * i, v_f16);
+                    for (int64_t g = 0; g < n4; g++) {
+                        const __m256 w = _mm256_broadcast_ss(e[g] + p);
+                        for (int i = 0; i < 4; i++)
+                            acc[4 * g + i] = _mm256_fmadd_ps(w, v[i], acc[4 * g + i]);
+                    }
+                }
+                for (int64_t g = 0; g < n4; g++)
+                    for (int i = 0; i < 4; i++)
+                        _mm256_storeu_ps(RES(t, g0 + g) + c + 8 * i, acc[4 * g + i]);
+            }
+#endif
             for (; c + 16 <= d; c += 16) {
                 __m256 acc[8];
                 for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
