@@ -830,18 +830,27 @@ static inline __m256i block_start(int32_t xsum) {
 #endif
 }
 
-/* y[r0 .. r0 + R, 8 g0 .. 8 (g0 + C)] for R rows of x and C column groups: R * C outputs
- * vectors, each summed exactly as the file's w8a8 arithmetic says. */
+/* Blocks of 32 k per pass over a row block when k is large: a panel's weights for one pass
+ * (16 columns x W8A8_K_BLOCKS * 32 bytes = 8 KB) stay in L1 while the row tiles sweep past
+ * them. */
+#define W8A8_K_BLOCKS 16
+
+/* Blocks [b0, b1) of y[r0 .. r0 + R, 8 g0 .. 8 (g0 + C)] for R rows of x and C column groups:
+ * R * C vectors of 8 outputs, each summed exactly as the file's w8a8 arithmetic says. The
+ * float accumulators start from zero (b0 == 0) or from acc (the previous blocks' pass: a
+ * float32 stored and reloaded exactly), and end in acc, or, after the last block, scaled
+ * into y. acc holds 16 floats per row. */
 static inline __attribute__((always_inline)) void w8a8_tile(
     const int8_t *xq, const float *xs, const int32_t *xsum, int64_t r0, int R, int64_t k,
-    const uint8_t *wp, int64_t g0, int C, const float *scale, const float *bias, int64_t n,
-    float *y) {
+    const uint8_t *wp, int64_t g0, int C, int64_t b0, int64_t b1, float *acc,
+    const float *scale, const float *bias, int64_t n, float *y) {
     const int64_t nb = k / QBLOCK, steps = k / 4;
     __m256 facc[W8A8_ROWS][2];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) facc[r][c] = _mm256_setzero_ps();
+        for (int c = 0; c < C; c++)
+            facc[r][c] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * 16 + c * 8);
     const uint8_t *wg[2] = {wp + g0 * steps * 32, wp + (g0 + 1) * steps * 32};
-    for (int64_t b = 0; b < nb; b++) {
+    for (int64_t b = b0; b < b1; b++) {
         __m256i iacc[W8A8_ROWS][2];
         for (int r = 0; r < R; r++)
             for (int c = 0; c < C; c++) iacc[r][c] = block_start(xsum[(r0 + r) * nb + b]);
@@ -866,6 +875,11 @@ static inline __attribute__((always_inline)) void w8a8_tile(
                 facc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][c]), d, facc[r][c]);
         }
     }
+    if (b1 < nb) {
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) _mm256_storeu_ps(acc + r * 16 + c * 8, facc[r][c]);
+        return;
+    }
     for (int c = 0; c < C; c++) {
         const int64_t col = (g0 + c) * COLS;
         const int64_t valid = n - col < COLS ? n - col : COLS;
@@ -889,11 +903,12 @@ static inline __attribute__((always_inline)) void w8a8_tile(
 
 /* w8a8_tile with R and C as compile-time constants (the accumulators stay in registers). */
 static void w8a8_tile_any(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t r0,
-                          int R, int64_t k, const uint8_t *wp, int64_t g0, int C,
-                          const float *scale, const float *bias, int64_t n, float *y) {
+                          int R, int64_t k, const uint8_t *wp, int64_t g0, int C, int64_t b0,
+                          int64_t b1, float *acc, const float *scale, const float *bias,
+                          int64_t n, float *y) {
 #define W8A8_CASE(RR, CC)                                                                    \
     if (R == RR && C == CC) {                                                                \
-        w8a8_tile(xq, xs, xsum, r0, RR, k, wp, g0, CC, scale, bias, n, y);                   \
+        w8a8_tile(xq, xs, xsum, r0, RR, k, wp, g0, CC, b0, b1, acc, scale, bias, n, y);      \
         return;                                                                              \
     }
     W8A8_CASE(1, 1) W8A8_CASE(1, 2) W8A8_CASE(2, 1) W8A8_CASE(2, 2)
@@ -908,20 +923,29 @@ static void w8a8_tile_any(const int8_t *xq, const float *xs, const int32_t *xsum
 
 /* y[m, n] = the w8a8 arithmetic above over quantised rows xq/xs/xsum and the packed weight.
  * Work items are (row block, panel of two column groups), split statically over the threads
- * in that order: a thread sweeps panels with its row block's activations in cache. */
+ * in that order: a thread sweeps panels with its row block's activations in cache; within an
+ * item, passes of W8A8_K_BLOCKS blocks keep the panel's weights in L1. */
 static void w8a8_body(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t m,
                       int64_t k, const uint8_t *wp, const float *scale, const float *bias,
                       int64_t n, float *y) {
     const int64_t groups = (n + COLS - 1) / COLS, panels = (groups + 1) / 2;
-    const int64_t blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK;
+    const int64_t blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK, nb = k / QBLOCK;
+    float acc[ROW_BLOCK * 16] __attribute__((aligned(32)));
+    /* One pass where a whole panel (16 x k bytes) fits in half of L1. */
+    const int64_t pass = nb <= 2 * W8A8_K_BLOCKS ? nb : W8A8_K_BLOCKS;
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < blocks * panels; task++) {
         const int64_t rb = task / panels, g0 = (task % panels) * 2;
         const int C = g0 + 1 < groups ? 2 : 1;
-        const int64_t r_end = (rb + 1) * ROW_BLOCK < m ? (rb + 1) * ROW_BLOCK : m;
-        for (int64_t r0 = rb * ROW_BLOCK; r0 < r_end; r0 += W8A8_ROWS) {
-            const int R = r_end - r0 < W8A8_ROWS ? (int)(r_end - r0) : W8A8_ROWS;
-            w8a8_tile_any(xq, xs, xsum, r0, R, k, wp, g0, C, scale, bias, n, y);
+        const int64_t r_begin = rb * ROW_BLOCK;
+        const int64_t r_end = r_begin + ROW_BLOCK < m ? r_begin + ROW_BLOCK : m;
+        for (int64_t b0 = 0; b0 < nb; b0 += pass) {
+            const int64_t b1 = b0 + pass < nb ? b0 + pass : nb;
+            for (int64_t r0 = r_begin; r0 < r_end; r0 += W8A8_ROWS) {
+                const int R = r_end - r0 < W8A8_ROWS ? (int)(r_end - r0) : W8A8_ROWS;
+                w8a8_tile_any(xq, xs, xsum, r0, R, k, wp, g0, C, b0, b1,
+                              acc + (r0 - r_begin) * 16, scale, bias, n, y);
+            }
         }
     }
 }
