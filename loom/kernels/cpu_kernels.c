@@ -723,8 +723,9 @@ LOOM_EXPORT const char *loom_kernel_variant(void) {
 #else
 #define W8A8_ROWS 2
 #endif
-/* Rows of x per row block: their quantised activations (ROW_BLOCK x k bytes) stay in L2 while
- * every column panel streams past them. */
+/* Bytes of quantised activations per row block (rows x k): small enough to share L1 with a
+ * panel's weights, so a panel's row tiles do not evict each other. At most ROW_BLOCK rows. */
+#define ROW_BLOCK_BYTES 16384
 #define ROW_BLOCK 128
 /* Software prefetch distance over the packed weight stream, in bytes. */
 #ifndef PACKED_PREFETCH_BYTES
@@ -842,7 +843,7 @@ static inline __m256i block_start(int32_t xsum) {
  * into y. acc holds 16 floats per row. */
 static inline __attribute__((always_inline)) void w8a8_tile(
     const int8_t *xq, const float *xs, const int32_t *xsum, int64_t r0, int R, int64_t k,
-    const uint8_t *wp, int64_t g0, int C, int64_t b0, int64_t b1, float *acc,
+    const uint8_t *wp, int64_t g0, int C, int64_t b0, int64_t b1, float *acc, int prefetch,
     const float *scale, const float *bias, int64_t n, float *y) {
     const int64_t nb = k / QBLOCK, steps = k / 4;
     __m256 facc[W8A8_ROWS][2];
@@ -854,9 +855,9 @@ static inline __attribute__((always_inline)) void w8a8_tile(
         __m256i iacc[W8A8_ROWS][2];
         for (int r = 0; r < R; r++)
             for (int c = 0; c < C; c++) iacc[r][c] = block_start(xsum[(r0 + r) * nb + b]);
-        if (r0 % ROW_BLOCK == 0)
+        if (prefetch) /* the block's 256 bytes of each group, PACKED_PREFETCH_BYTES ahead */
             for (int c = 0; c < C; c++)
-                _mm_prefetch((const char *)(wg[c] + b * 256 + PACKED_PREFETCH_BYTES), _MM_HINT_T0);
+                prefetch_bytes(wg[c] + b * 256 + PACKED_PREFETCH_BYTES, 256);
         for (int s = 0; s < 8; s++) {
             const int64_t step = b * 8 + s;
             __m256i w[2];
@@ -904,11 +905,12 @@ static inline __attribute__((always_inline)) void w8a8_tile(
 /* w8a8_tile with R and C as compile-time constants (the accumulators stay in registers). */
 static void w8a8_tile_any(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t r0,
                           int R, int64_t k, const uint8_t *wp, int64_t g0, int C, int64_t b0,
-                          int64_t b1, float *acc, const float *scale, const float *bias,
-                          int64_t n, float *y) {
+                          int64_t b1, float *acc, int prefetch, const float *scale,
+                          const float *bias, int64_t n, float *y) {
 #define W8A8_CASE(RR, CC)                                                                    \
     if (R == RR && C == CC) {                                                                \
-        w8a8_tile(xq, xs, xsum, r0, RR, k, wp, g0, CC, b0, b1, acc, scale, bias, n, y);      \
+        w8a8_tile(xq, xs, xsum, r0, RR, k, wp, g0, CC, b0, b1, acc, prefetch, scale, bias, n,  \
+                  y);                                                                        \
         return;                                                                              \
     }
     W8A8_CASE(1, 1) W8A8_CASE(1, 2) W8A8_CASE(2, 1) W8A8_CASE(2, 2)
@@ -922,29 +924,32 @@ static void w8a8_tile_any(const int8_t *xq, const float *xs, const int32_t *xsum
 }
 
 /* y[m, n] = the w8a8 arithmetic above over quantised rows xq/xs/xsum and the packed weight.
- * Work items are (row block, panel of two column groups), split statically over the threads
- * in that order: a thread sweeps panels with its row block's activations in cache; within an
- * item, passes of W8A8_K_BLOCKS blocks keep the panel's weights in L1. */
+ * Work items are (panel of two column groups, row block), split statically over the threads
+ * in that order: each thread streams its share of the weights from memory once, every row
+ * block of a panel reusing the panel from cache; within an item, passes of W8A8_K_BLOCKS
+ * blocks keep a large k's panel in L1. */
 static void w8a8_body(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t m,
                       int64_t k, const uint8_t *wp, const float *scale, const float *bias,
                       int64_t n, float *y) {
-    const int64_t groups = (n + COLS - 1) / COLS, panels = (groups + 1) / 2;
-    const int64_t blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK, nb = k / QBLOCK;
+    const int64_t groups = (n + COLS - 1) / COLS, panels = (groups + 1) / 2, nb = k / QBLOCK;
+    int64_t rows = ROW_BLOCK_BYTES / k / W8A8_ROWS * W8A8_ROWS;
+    rows = rows < W8A8_ROWS ? W8A8_ROWS : rows > ROW_BLOCK ? ROW_BLOCK : rows;
+    const int64_t blocks = (m + rows - 1) / rows;
     float acc[ROW_BLOCK * 16] __attribute__((aligned(32)));
     /* One pass where a whole panel (16 x k bytes) fits in half of L1. */
     const int64_t pass = nb <= 2 * W8A8_K_BLOCKS ? nb : W8A8_K_BLOCKS;
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < blocks * panels; task++) {
-        const int64_t rb = task / panels, g0 = (task % panels) * 2;
+        const int64_t g0 = task / blocks * 2, rb = task % blocks;
         const int C = g0 + 1 < groups ? 2 : 1;
-        const int64_t r_begin = rb * ROW_BLOCK;
-        const int64_t r_end = r_begin + ROW_BLOCK < m ? r_begin + ROW_BLOCK : m;
+        const int64_t r_begin = rb * rows, r_end = r_begin + rows < m ? r_begin + rows : m;
         for (int64_t b0 = 0; b0 < nb; b0 += pass) {
             const int64_t b1 = b0 + pass < nb ? b0 + pass : nb;
             for (int64_t r0 = r_begin; r0 < r_end; r0 += W8A8_ROWS) {
                 const int R = r_end - r0 < W8A8_ROWS ? (int)(r_end - r0) : W8A8_ROWS;
                 w8a8_tile_any(xq, xs, xsum, r0, R, k, wp, g0, C, b0, b1,
-                              acc + (r0 - r_begin) * 16, scale, bias, n, y);
+                              acc + (r0 - r_begin) * 16, rb == 0 && r0 == r_begin, scale, bias,
+                              n, y);
             }
         }
     }

@@ -21,6 +21,7 @@ from loom.core.scheduler_output import ScheduledChunk
 from loom.models.base import CausalLM
 from loom.models.config import ModelConfig
 from loom.runner.decode_graphs import DecodeGraphRunner
+from loom.runner.host_memory import keep_freed_memory
 
 logger = logging.getLogger("loom")
 
@@ -62,6 +63,8 @@ class ModelRunner:
         self.model_config = model_config
         self.model = model
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # per-step buffers from the heap, not fresh pages
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_dtype or dtype  # K/V are stored in this dtype
         self.num_blocks = num_blocks
