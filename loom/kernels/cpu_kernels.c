@@ -277,8 +277,8 @@ static inline __m256 exp256(__m256 x) {
 #define ATTN_PART 128
 /* Query heads per kv head handled in one pass; larger groups loop over slices of this size. */
 #define ATTN_MAX_GROUP 8
-/* Keys ahead whose K rows the score pass prefetches. */
-#define ATTN_PREFETCH_KEYS 4
+/* Keys per block of the score pass (and how far ahead its K rows are prefetched). */
+#define ATTN_KEY_BLOCK 16
 /* Query tokens of one sequence per work unit. */
 #define ATTN_UNIT 16
 /* Units of at least this many tokens convert a part's float16 K/V rows to float32 once
@@ -343,7 +343,7 @@ static AttnPlan attn_plan(const int64_t *q_start, int64_t s, int64_t h, int64_t 
     p.window_tokens = widest;
     p.threads = omp_get_max_threads();
     p.merge = (float *)malloc((size_t)(widest * per_token + 1) * sizeof(float));
-    p.local_floats = ATTN_UNIT * ATTN_MAX_GROUP * ATTN_PART + (ATTN_PART + 2) * d;
+    p.local_floats = ATTN_UNIT * ATTN_MAX_GROUP * ATTN_PART + (ATTN_PART + ATTN_KEY_BLOCK) * d;
     p.local = (float *)malloc((size_t)(p.threads * p.local_floats) * sizeof(float));
     return p;
 }
@@ -389,68 +389,71 @@ static inline __attribute__((always_inline)) void attend_part(
     if (nk <= 0 || kv0 >= k1) return; /* no key of this part is visible to the unit */
     float *scores = local; /* [ql][ng][ATTN_PART] */
     float *krow = local + ATTN_UNIT * ATTN_MAX_GROUP * ATTN_PART;
-    float *vconv = krow + 2 * d; /* [ATTN_PART][d] when converting */
+    float *vconv = krow + ATTN_KEY_BLOCK * d; /* [ATTN_PART][d] when converting */
     const int convert = f16 && ql >= ATTN_CONVERT_MIN;
 #define SC(t, g) (scores + ((t) * ATTN_MAX_GROUP + (g)) * ATTN_PART)
     const char *vrows[ATTN_PART];
     for (int64_t t = 0; t < ql; t++)
         for (int64_t g = 0; g < ng; g++)
             for (int64_t p = k0; p < kv0; p++) SC(t, g)[p - k0] = -INFINITY;
-    /* Scores: each key read once for every query token and head of the item, one or two keys
-     * per pass (a masked one of a pair is computed and then overwritten). */
-    for (int64_t p = kv0; p < k1;) {
-        const int64_t npass = ATTN_KEYS_PER_PASS == 2 && p + 1 < k1 ? 2 : 1;
-        const void *key[2];
-        int key_f16 = f16;
-        for (int64_t i = 0; i < npass; i++) {
-            const int64_t pi = p + i;
-            const int64_t slot = (table[pi / bs] * bs + pi % bs) * hkv + kvh;
+    /* Scores, in blocks of ATTN_KEY_BLOCK keys: a block's keys (and each query token's rows)
+     * stay in L1 while every query token of the unit meets them, one or two keys per pass (a
+     * masked one of a pair is computed, then overwritten). */
+    for (int64_t pb = kv0; pb < k1; pb += ATTN_KEY_BLOCK) {
+        const int64_t pe = pb + ATTN_KEY_BLOCK < k1 ? pb + ATTN_KEY_BLOCK : k1;
+        const void *key[ATTN_KEY_BLOCK];
+        for (int64_t p = pb; p < pe; p++) {
+            const int64_t slot = (table[p / bs] * bs + p % bs) * hkv + kvh;
             const char *kv = (const char *)k_cache + slot * row_bytes;
-            vrows[pi - k0] = (const char *)v_cache + slot * row_bytes;
-            prefetch_bytes(vrows[pi - k0], row_bytes);
-            if (pi + ATTN_PREFETCH_KEYS < k1) {
-                const int64_t pf = pi + ATTN_PREFETCH_KEYS;
+            vrows[p - k0] = (const char *)v_cache + slot * row_bytes;
+            prefetch_bytes(vrows[p - k0], row_bytes);
+            const int64_t pf = p + ATTN_KEY_BLOCK;
+            if (pf < k1)
                 prefetch_bytes((const char *)k_cache +
                                    ((table[pf / bs] * bs + pf % bs) * hkv + kvh) * row_bytes,
                                row_bytes);
-            }
-            key[i] = kv;
+            key[p - pb] = kv;
             if (convert) {
-                kv_row_to_f32(kv, d, f16, krow + i * d);
-                key[i] = krow + i * d;
+                kv_row_to_f32(kv, d, f16, krow + (p - pb) * d);
+                key[p - pb] = krow + (p - pb) * d;
             }
         }
-        if (convert) key_f16 = 0;
+        const int key_f16 = convert ? 0 : f16;
         for (int64_t t = 0; t < ql; t++) {
             const int64_t pos = pos_a + t;
-            int visible[2];
-            for (int64_t i = 0; i < npass; i++)
-                visible[i] = !(p + i > pos || (window > 0 && p + i <= pos - window));
-            if (!visible[0] && (npass == 1 || !visible[1])) {
-                for (int64_t i = 0; i < npass; i++)
-                    for (int64_t g = 0; g < ng; g++) SC(t, g)[p + i - k0] = -INFINITY;
-                continue;
-            }
-            float dots[2][ATTN_MAX_GROUP];
             const float *qt = q + ((ta + t) * h + h0) * d;
-            if (npass == 2)
-                dots_two_keys(qt, ng, key[0], key[1], d, key_f16, dots[0], dots[1]);
-            else
-                dots_shared_key(qt, ng, key[0], d, key_f16, dots[0]);
-            for (int64_t i = 0; i < npass; i++)
-                for (int64_t g = 0; g < ng; g++) {
-                    float *sc_at = SC(t, g) + (p + i - k0);
-                    if (!visible[i]) {
-                        *sc_at = -INFINITY;
-                        continue;
-                    }
-                    float sc = dots[i][g] * scale;
-                    if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
-                    *sc_at = sc;
-                    if (sc > RES(t, g)[d]) RES(t, g)[d] = sc;
+            for (int64_t p = pb; p < pe;) {
+                const int64_t npass = ATTN_KEYS_PER_PASS == 2 && p + 1 < pe ? 2 : 1;
+                int visible[2];
+                for (int64_t i = 0; i < npass; i++)
+                    visible[i] = !(p + i > pos || (window > 0 && p + i <= pos - window));
+                if (!visible[0] && (npass == 1 || !visible[1])) {
+                    for (int64_t i = 0; i < npass; i++)
+                        for (int64_t g = 0; g < ng; g++) SC(t, g)[p + i - k0] = -INFINITY;
+                    p += npass;
+                    continue;
                 }
+                float dots[2][ATTN_MAX_GROUP];
+                if (npass == 2)
+                    dots_two_keys(qt, ng, key[p - pb], key[p + 1 - pb], d, key_f16, dots[0],
+                                  dots[1]);
+                else
+                    dots_shared_key(qt, ng, key[p - pb], d, key_f16, dots[0]);
+                for (int64_t i = 0; i < npass; i++)
+                    for (int64_t g = 0; g < ng; g++) {
+                        float *sc_at = SC(t, g) + (p + i - k0);
+                        if (!visible[i]) {
+                            *sc_at = -INFINITY;
+                            continue;
+                        }
+                        float sc = dots[i][g] * scale;
+                        if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+                        *sc_at = sc;
+                        if (sc > RES(t, g)[d]) RES(t, g)[d] = sc;
+                    }
+                p += npass;
+            }
         }
-        p += npass;
     }
     /* Softmax numerators exp(score - max) in place (masked keys: exactly 0), padded with
      * masked scores to a multiple of 8 so the sum has one shape (8 lanes by key index, then
