@@ -2,12 +2,15 @@
 `LLM(model="gemma3-270m")` builds here): six prompts of 30-530 tokens give exactly the same
 greedy tokens and logprobs as each prompt alone in a fresh engine with one fresh prefill,
 whether they run in one batch cold, again from the prefix cache, one at a time, in chunks
-of 48 tokens, or as sessions fed in three fragments (DESIGN.md section 5)."""
+of 48 tokens, or as sessions fed in three fragments (DESIGN.md section 5); and in random
+mixes of those with preemption and n-gram drafts (hypothesis)."""
 
 from __future__ import annotations
 
 import pytest
 from engine.helpers import run_to_completion
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from loom import SamplingParams
 from loom.engine.config import EngineArgs
@@ -135,3 +138,62 @@ def test_gemma_default_mode_outputs_do_not_depend_on_the_batch(gemma_path, promp
         f"mode {engine.config.mode_summary!r}: outputs differ from each prompt alone, fresh, "
         f"in {len(problems)} of 5 scenarios\n"
         + "\n".join(f"{name}:\n  " + "\n  ".join(lines) for name, lines in problems.items()))
+
+
+@st.composite
+def gemma_scenarios(draw):
+    """A random mix on the default model: which prompts, the chunk budget, the prefix cache,
+    a pool small enough to preempt, n-gram drafts, and which prompts arrive as sessions fed
+    in fragments cut at random points."""
+    chosen = draw(st.lists(st.integers(0, len(LENGTHS) - 1), min_size=2, max_size=4,
+                           unique=True))
+    sessions = {i: sorted(draw(st.lists(st.integers(1, LENGTHS[i] - 1), max_size=2,
+                                        unique=True)))
+                for i in chosen if draw(st.booleans())}
+    return {
+        "prompts": chosen,
+        "sessions": sessions,
+        "budget": draw(st.sampled_from([16, 48, 100, 512])),
+        "prefix_cache": draw(st.booleans()),
+        "blocks": draw(st.sampled_from([512, 80])),  # 80 blocks of 16: preemption
+        "drafts": draw(st.sampled_from([0, 3])),
+    }
+
+
+@settings(max_examples=4, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(scenario=gemma_scenarios())
+def test_gemma_random_mixes_equal_each_prompt_alone(gemma_path, prompts, alone, scenario):
+    speculative = ({"method": "ngram", "num_speculative_tokens": scenario["drafts"]}
+                   if scenario["drafts"] else None)
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(gemma_path), num_kv_blocks=scenario["blocks"],
+        max_num_batched_tokens=scenario["budget"],
+        enable_prefix_caching=scenario["prefix_cache"], speculative_config=speculative))
+    cuts = {i: [0, *points, len(prompts[i])] for i, points in scenario["sessions"].items()}
+    for i in scenario["prompts"]:
+        if i in cuts:
+            engine.add_request(f"r-{i}", prompts[i][: cuts[i][1]], session=True)
+        else:
+            engine.add_request(f"r-{i}", prompts[i], GREEDY)
+    outs = run_to_completion(engine)
+    for k in range(1, max((len(c) - 1 for c in cuts.values()), default=1)):
+        for i, c in cuts.items():
+            if k + 1 < len(c):
+                engine.prefill(f"r-{i}", prompts[i][c[k] : c[k + 1]])
+        run_to_completion(engine)
+    for i in cuts:
+        engine.resume(f"r-{i}", GREEDY)
+    outs.update(run_to_completion(engine))
+    got, want, used = [], [], []
+    for i in scenario["prompts"]:
+        out = outs[f"r-{i}"].outputs[0]
+        skip = len(prompts[i]) - cuts[i][1] if i in cuts else 0  # appended fragments
+        got.append((list(out.token_ids)[skip:], list(out.logprobs)))
+        want.append(alone[i])
+        used.append(prompts[i])
+        if i in cuts:
+            engine.close(f"r-{i}")
+    lines = differences(got, want, used)
+    assert engine.kv_pool_all_free
+    assert not lines, f"{scenario}: " + "; ".join(lines)
