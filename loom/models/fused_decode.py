@@ -155,7 +155,7 @@ def _all_w8a8(layers: list[nn.Module]) -> bool:
 
 
 class FusedDecoder:
-    """Runs pure-decode steps of a model's decoder layers in one C call."""
+    """Runs a step's decoder layers in one C call (any step in w8a8, else small ones)."""
 
     def __init__(self, layers: list[nn.Module], descs: list[_LayerDesc],
                  keep: list[torch.Tensor], any_size: bool = False) -> None:

@@ -90,7 +90,7 @@ class Int8Linear(nn.Module):
         self, weight: torch.Tensor, bias: torch.Tensor | None, quantize_activations: bool = False
     ) -> None:
         super().__init__()
-        # w8a8: the CPU kernel also rounds activations to int8 per block of 32 (small batches).
+        # w8a8: the CPU kernel also rounds activations to int8 per block of 32.
         self.quantize_activations = quantize_activations and weight.shape[1] % 32 == 0
         self.out_features, self.in_features = n, k = weight.shape
         packed = self.quantize_activations and cpu_kernels_available()

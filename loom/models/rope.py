@@ -126,7 +126,8 @@ class RotaryEmbedding(nn.Module):
         if table is None or table.shape[1] < needed:
             have = 0 if table is None else table.shape[1]
             blocks = [table] if table is not None else []
-            for start in range(have, needed, TABLE_BLOCK):
+            # Doubling keeps the copies of a growing table linear in the positions reached.
+            for start in range(have, max(needed, 2 * have), TABLE_BLOCK):
                 block = torch.arange(start, start + TABLE_BLOCK, dtype=torch.int64)
                 emb = self._angles(block)
                 blocks.append(torch.stack((emb.cos(), emb.sin())))
