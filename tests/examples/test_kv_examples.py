@@ -86,17 +86,21 @@ def test_disaggregated_prefill_example(tmp_path, model_env):
 
 @pytest.mark.slow
 @pytest.mark.skipif(len(runnable_variants()) < 2, reason="this host runs one kernel variant")
-def test_disaggregated_prefill_text_is_the_same_on_every_host_kind(tmp_path):
-    """The default model's example on the widest kernel variant this host runs and on plain
-    AVX2 (what an AVX2-only host runs): byte-identical texts, so the example's output does
-    not depend on the host."""
+@pytest.mark.parametrize(("example", "output"), [
+    ("disaggregated_prefill", "consumer_output.txt"),
+    ("segmented_prefill", "segmented_prefill_decode_output.txt"),
+])
+def test_example_text_is_the_same_on_every_host_kind(tmp_path, example, output):
+    """The default model's examples on the widest kernel variant this host runs and on plain
+    AVX2 (what an AVX2-only host runs): byte-identical texts, so an example's output does not
+    depend on the host."""
     texts = []
     for variant in (runnable_variants()[0], "avx2"):
         work = tmp_path / variant
         work.mkdir()
-        result = run_example("disaggregated_prefill", work, {"LOOM_CPU_KERNEL_VARIANT": variant})
+        result = run_example(example, work, {"LOOM_CPU_KERNEL_VARIANT": variant})
         assert result.returncode == 0 and "Outputs match" in result.stdout, report(result)
-        texts.append((work / "consumer_output.txt").read_text())
+        texts.append((work / output).read_text())
     assert texts[0] == texts[1]
 
 
