@@ -71,14 +71,18 @@ class ExternalKV:
         out.loading_request_ids.append(request.request_id)
 
     def finish_load(
-        self, request: Request, load_errors: dict[int, str], out: SchedulerOutput
+        self, request: Request, load_errors: dict[int, str], out: SchedulerOutput,
+        load_failure: str | None = None,
     ) -> None:
         """The load ran: blocks that failed become gaps ("recompute"), or the request is
-        reported for the engine to fail ("fail"); the frontier then skips what arrived."""
+        reported for the engine to fail ("fail"); the frontier then skips what arrived.
+        `load_failure`: the whole load failed for this reason (every block failed)."""
         request.loading_kv = False
         size = self.block_size
         table = self.kv.block_ids(request.request_id)
         loaded = [i for a, b in request.ready_ranges for i in range(a // size, b // size)]
+        if load_failure is not None:
+            load_errors = {table[i]: load_failure for i in loaded}
         failed = [i for i in loaded if table[i] in load_errors]
         self.num_load_failed_tokens += len(failed) * size
         if failed and self.connector.load_failure_policy == "fail":

@@ -356,17 +356,20 @@ class Scheduler:
         self.waiting.appendleft(victim)
 
     def update_after_step(
-        self, out: SchedulerOutput, load_errors: dict[int, str] | None = None
+        self, out: SchedulerOutput, load_errors: dict[int, str] | None = None,
+        load_failure: str | None = None,
     ) -> None:
         """Advance the frontier of every scheduled request by its chunk length, and settle
-        this step's external loads (`load_errors`: block id -> why its load failed)."""
+        this step's external loads (`load_errors`: block id -> why its load failed;
+        `load_failure`: why the whole load failed, e.g. the connector raised, so every block
+        it was to load failed)."""
         self.num_recomputed_tokens += out.num_recomputed_tokens
         if self.external is not None:
             self.external.num_gap_tokens += out.num_gap_tokens
         for request_id in out.loading_request_ids:
             request = self.requests.get(request_id)
             if request is not None and request.loading_kv and self.external is not None:
-                self.external.finish_load(request, load_errors or {}, out)
+                self.external.finish_load(request, load_errors or {}, out, load_failure)
         for chunk in out.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None:

@@ -208,10 +208,10 @@ class LLMEngine(SessionOps, TreeOps, TokenOps):
             return reported + self._fail_reported(sched_out)
         if sched_out.block_copies:
             self.runner.copy_blocks(sched_out.block_copies)
-        self.runner.load_kv(sched_out.kv_connector_metadata)
+        load_failure = self.runner.load_kv(sched_out.kv_connector_metadata)
         logits = self.runner.execute(sched_out.chunks)
         load_errors = self.runner.save_kv()
-        self.scheduler.update_after_step(sched_out, load_errors)
+        self.scheduler.update_after_step(sched_out, load_errors, load_failure)
         self.num_steps += 1
         outputs = reported + self._process_logits(sched_out, logits)
         outputs += self._fail_reported(sched_out)

@@ -126,28 +126,49 @@ class ModelRunner:
         connector.register_kv_caches(self.kv_caches)
         self.kv_connector = connector
 
-    def load_kv(self, connector_metadata: Any) -> None:
+    def load_kv(self, connector_metadata: Any) -> str | None:
         """Bind this step's connector metadata and load its blocks into the pool, every
-        layer in place before the forward."""
+        layer in place before the forward. Returns None, or why the connector raised (a
+        user's connector may): then every load of this step counts as failed, and the
+        requests that waited for it recompute or fail by their policy; nothing escapes into
+        the step."""
         if self.kv_connector is None:
-            return
-        self.kv_connector.bind_connector_metadata(connector_metadata)
-        self.kv_connector.start_load_kv()
-        for layer in range(len(self.kv_caches)):
-            self.kv_connector.wait_for_layer_load(layer)
+            return None
+        try:
+            self.kv_connector.bind_connector_metadata(connector_metadata)
+            self.kv_connector.start_load_kv()
+            for layer in range(len(self.kv_caches)):
+                self.kv_connector.wait_for_layer_load(layer)
+        except Exception as error:
+            logger.warning("KV connector load failed: %s: %s", type(error).__name__, error)
+            return f"the connector raised {type(error).__name__}: {error}"
+        return None
 
     def save_kv(self, metadata: AttentionMetadata | None = None) -> dict[int, str]:
         """After the forward: save what the step filled; returns the step's load errors
-        (block id -> cause) and unbinds the metadata."""
+        (block id -> cause) and unbinds the metadata. A connector that raises while saving
+        leaves those blocks unsaved (logged); the step goes on."""
         connector = self.kv_connector
         if connector is None:
             return {}
-        for layer, cache in enumerate(self.kv_caches):
-            connector.save_kv_layer(layer, cache, metadata)
-        connector.wait_for_save()
-        errors = connector.get_load_errors()
-        connector.clear_connector_metadata()
-        return errors
+        try:
+            for layer, cache in enumerate(self.kv_caches):
+                connector.save_kv_layer(layer, cache, metadata)
+            connector.wait_for_save()
+        except Exception as error:
+            logger.warning("KV connector save failed: %s: %s", type(error).__name__, error)
+        try:
+            return dict(connector.get_load_errors())
+        except Exception as error:
+            logger.warning("KV connector load errors unreadable: %s: %s",
+                           type(error).__name__, error)
+            return {}
+        finally:
+            try:
+                connector.clear_connector_metadata()
+            except Exception as error:
+                logger.warning("KV connector failed to unbind: %s: %s",
+                               type(error).__name__, error)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy KV block src -> dst in every layer (copy-on-write of forked blocks)."""

@@ -231,3 +231,57 @@ def test_bad_connector_configuration_fails_at_start(tiny_models, tmp_path, monke
     with pytest.raises(InvalidRequestError, match="kv_transfer_config"):
         make_engine(folder, kv_transfer_config={"kv_connector": "SharedStorageConnector",
                                                 "bogus": 1})
+
+
+FLAKY = """
+from loom.kv_connector.store_connector import SharedStorageConnector
+
+
+class FlakyConnector(SharedStorageConnector):
+    '''Raises from start_load_kv the first time it has blocks to load.'''
+
+    raised = False
+
+    def start_load_kv(self, **kwargs):
+        if self._metadata is not None and self._metadata.loads and not FlakyConnector.raised:
+            FlakyConnector.raised = True
+            raise RuntimeError("store unreachable")
+        super().start_load_kv(**kwargs)
+"""
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_connector_that_raises_while_loading_never_stops_the_engine(
+    tiny_models, tmp_path, monkeypatch, policy
+):
+    """A user's connector whose start_load_kv raises: under "recompute" the request computes
+    every block it was to load and equals transformers; under "fail" only that request fails,
+    naming the cause. Either way no exception escapes, nothing stays loading, and the same
+    engine serves the next requests."""
+    folder, hf = tiny_models["gemma3"]
+    produce(folder, tmp_path / "store")
+    (tmp_path / "flaky_connectors.py").write_text(FLAKY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("flaky_connectors", None)
+    engine = make_engine(folder, kv_transfer_config=KVTransferConfig(
+        "FlakyConnector", kv_connector_module_path="flaky_connectors", kv_role="kv_consumer",
+        kv_connector_extra_config={"shared_storage_path": str(tmp_path / "store")},
+        kv_load_failure_policy=policy))
+    other = prompt_ids(9, 77)
+    engine.add_request("c", IDS, GREEDY)
+    engine.add_request("fine", other, GREEDY)
+    outs = run_to_completion(engine)
+    assert sys.modules["flaky_connectors"].FlakyConnector.raised
+    assert outs["fine"].outputs[0].token_ids == hf_greedy(hf, other, 6)
+    if policy == "recompute":
+        assert outs["c"].error is None and outs["c"].outputs[0].token_ids == hf_greedy(hf, IDS, 6)
+        assert engine.stats.kv_load_failed_tokens == 44 and engine.stats.kv_loaded_tokens == 0
+    else:
+        assert outs["c"].outputs[0].finish_reason == "error"
+        assert "'c'" in outs["c"].error and "RuntimeError: store unreachable" in outs["c"].error
+    assert not engine.has_unfinished_requests() and engine.kv_pool_all_free
+    engine.reset_prefix_cache()  # so the next request asks the store again
+    engine.add_request("after", IDS, GREEDY)  # loads now succeed
+    assert run_to_completion(engine)["after"].outputs[0].token_ids == hf_greedy(hf, IDS, 6)
+    assert engine.stats.kv_loaded_tokens == 44 and engine.kv_pool_all_free
+    sys.modules.pop("flaky_connectors", None)
