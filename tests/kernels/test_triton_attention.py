@@ -121,7 +121,8 @@ def test_start_up_check_passes_and_catches_broken_kernels(monkeypatch):
         backend, spec, torch.device(DEVICES[0]), torch.float32, torch.float32)
 
 
-def test_runner_falls_back_to_the_reference_when_the_kernels_fail(tiny_models, monkeypatch):
+def test_runner_falls_back_to_the_reference_when_the_kernels_fail(tiny_models, monkeypatch,
+                                                                  caplog):
     """An explicit "triton" that fails its start-up check raises; "auto" (the CUDA default)
     warns and runs the torch backend without graphs."""
     from engine.helpers import make_engine
@@ -140,5 +141,25 @@ def test_runner_falls_back_to_the_reference_when_the_kernels_fail(tiny_models, m
     monkeypatch.setattr(triton_attention, "paged_attention", broken)
     with pytest.raises(RuntimeError, match="triton attention backend fails"):
         make_engine(folder, attention_backend="triton", max_model_len=64, device=DEVICES[0])
-    runner._check_triton("auto")
-    assert runner.backend.name == "torch"
+    # "auto" where it would pick triton (as on CUDA): a warning, the reference backend, no
+    # graphs, and the engine generates.
+    from loom.attention.triton_backend import TritonAttentionBackend
+    from loom.runner import model_runner
+
+    picked = model_runner.get_attention_backend
+    monkeypatch.setattr(model_runner, "get_attention_backend",
+                        lambda name, device: TritonAttentionBackend() if name == "auto"
+                        else picked(name, device))
+    with caplog.at_level("WARNING", logger="loom"):
+        engine = make_engine(folder, attention_backend="auto", cuda_graph_sizes=[1, 2],
+                             max_num_seqs=2, max_model_len=64, device=DEVICES[0])
+    assert engine.runner.backend.name == "torch"
+    assert engine.runner.decode_graphs is None and engine.runner.verify_graphs is None
+    assert any("Triton attention fails" in r.getMessage() and "no kernel image" in r.getMessage()
+               for r in caplog.records)
+    from engine.helpers import prompt_ids, run_to_completion
+
+    from loom import SamplingParams
+
+    engine.add_request("r", prompt_ids(9), SamplingParams(temperature=0.0, max_tokens=3))
+    assert len(run_to_completion(engine)["r"].outputs[0].token_ids) == 3

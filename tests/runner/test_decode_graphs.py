@@ -81,6 +81,28 @@ def test_graph_decode_equals_eager_and_transformers(tiny_models, arch):
             seq.append(t)
 
 
+def test_a_batch_larger_than_every_bucket_runs_eagerly(tiny_models):
+    """Three decoding sequences with buckets of 1 and 2: their steps of three run eagerly,
+    the later steps of two or one from the graphs, and the tokens are the eager run's."""
+    folder, _ = tiny_models["gemma3"]
+    prompts = [prompt_ids(9), prompt_ids(14, 3), prompt_ids(5, 7)]
+    engine, got = _generate(folder, prompts, attention_backend="triton",
+                            cuda_graph_sizes=[1, 2])
+    runner = engine.runner.decode_graphs
+    assert runner.sizes == [1, 2]
+    _, eager = _generate(folder, prompts, attention_backend="triton", enforce_eager=True)
+    assert [[t for t, _ in rows] for rows in got] == [[t for t, _ in rows] for rows in eager]
+    assert not runner.applies([_chunk(i) for i in range(3)])
+    assert runner.applies([_chunk(i) for i in range(2)])
+
+
+def _chunk(i):
+    from loom.core.scheduler_output import ScheduledChunk
+
+    return ScheduledChunk(request_id=f"c{i}", token_ids=[5], start_pos=4, block_ids=[i],
+                          needs_logits=True)
+
+
 def test_graph_session_equals_fresh_forward(tiny_models):
     """A session alternating prefill and graph-replayed generation keeps the invariant."""
     folder, hf = tiny_models["gemma3"]
