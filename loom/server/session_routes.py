@@ -53,16 +53,24 @@ async def create_session(body: SessionCreateRequest, request: Request,
     state = get_state(request)
     state.check_model(body.model)
     prompt = state.prompt_or_messages(body.prompt, body.messages, add_generation_prompt=False)
-    owned = [sid for sid, owner in state.session_owners.items()
-             if owner == key and sid in state.engine.engine._groups]
+    # Count and reserve with no await in between: concurrent creations see each other.
+    owned = [sid for sid, owner in state.session_owners.items() if owner == key
+             and (sid in state.opening_sessions or sid in state.engine.engine._groups)]
     if len(owned) >= state.config.max_sessions_per_key:
         raise APIError(429, f"this API key has {len(owned)} open sessions, the most allowed "
                             f"(--max-sessions-per-key={state.config.max_sessions_per_key}); "
                             "close one first", code="too_many_sessions")
     session_id = f"sess-{uuid.uuid4().hex}"
-    await state.engine.add_request(session_id, prompt, None, session=True, pin=body.pin,
-                                   ttl_s=body.ttl_s)
     state.session_owners[session_id] = key
+    state.opening_sessions.add(session_id)
+    try:
+        await state.engine.add_request(session_id, prompt, None, session=True, pin=body.pin,
+                                       ttl_s=body.ttl_s)
+    except BaseException:
+        state.session_owners.pop(session_id, None)
+        raise
+    finally:
+        state.opening_sessions.discard(session_id)
     view = await state.engine.get_session(session_id)
     return {"id": session_id, "object": "session", "num_tokens": len(view.token_ids)}
 

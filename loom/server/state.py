@@ -42,6 +42,9 @@ class ServerState:
     chat_template: Any = None  # loom.server.chat_template.ChatTemplate, or None
     metrics: Any = None  # loom.server.metrics.ServerMetrics
     session_owners: dict[str, str] = field(default_factory=dict)
+    # Sessions whose creation is under way: they count against their key's quota already,
+    # so concurrent creations cannot pass the check together.
+    opening_sessions: set[str] = field(default_factory=set)
 
     @property
     def tokenizer(self) -> Any:

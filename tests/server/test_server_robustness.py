@@ -397,6 +397,36 @@ def test_sessions_per_key_limit(secure):
     assert_clean(secure)
 
 
+def test_concurrent_session_creations_respect_the_quota(secure, monkeypatch):
+    """Six creations at once with one key (quota 2), each slow to compute its prompt (as a
+    real model's is): two open, four get 429, and closing the two frees the key again."""
+    add_request = secure.engine.add_request
+
+    async def slow_add_request(*args, **kwargs):
+        await asyncio.sleep(0.3)
+        return await add_request(*args, **kwargs)
+
+    monkeypatch.setattr(secure.engine, "add_request", slow_add_request)
+
+    async def create_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=secure.base_url, timeout=60) as c:
+            return await asyncio.gather(*[
+                c.post("/v1/sessions", json={"prompt": f"race {i}"}, headers=_auth("k1"))
+                for i in range(6)])
+
+    responses = asyncio.run(create_all())
+    opened = [r.json()["id"] for r in responses if r.status_code == 200]
+    assert len(opened) == 2, [r.status_code for r in responses]
+    assert all(r.status_code == 429 for r in responses if r.status_code != 200)
+    with httpx.Client(base_url=secure.base_url, timeout=30) as c:
+        for sid in opened:
+            assert c.delete(f"/v1/sessions/{sid}", headers=_auth("k1")).status_code == 200
+        r = c.post("/v1/sessions", json={"prompt": "after"}, headers=_auth("k1"))
+        assert r.status_code == 200, r.text
+        assert c.delete(f"/v1/sessions/{r.json()['id']}", headers=_auth("k1")).status_code == 200
+    assert_clean(secure)
+
+
 def _json_headers(key: str) -> dict[str, str]:
     return {**_auth(key), "Content-Type": "application/json"}
 
