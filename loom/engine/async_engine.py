@@ -27,7 +27,7 @@ from loom.engine.hooks import PendingCall
 from loom.engine.llm_engine import LLMEngine
 from loom.engine.outputs import RequestOutput
 from loom.engine.session_ops import Sample, SessionView
-from loom.errors import LoomError, SessionClosedError
+from loom.errors import InvalidSessionStateError, LoomError, SessionClosedError
 from loom.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -180,6 +180,44 @@ class AsyncLLMEngine:
     async def resume(self, request_id: str, sampling_params: SamplingParams) -> None:
         """Start a new generation segment on a paused session."""
         await self._call(self._drained(self.engine.resume), request_id, sampling_params)
+
+    async def start_segment(
+        self,
+        request_id: str,
+        params_for: Callable[[int], SamplingParams],
+        fragment: str | Sequence[int] | None = None,
+        heal: bool = False,
+    ) -> tuple[SessionView, SamplingParams]:
+        """Append `fragment` (if given) to a paused session and start a generation segment
+        after it, in one engine call: no other call can run between the check, the append and
+        the start. `params_for(n)` gives the segment's parameters for a session of n tokens
+        (it may refuse them); it runs before anything is appended, except with `heal`, whose
+        length is known only after. Returns the session as the segment starts from, and the
+        parameters. A generating session is refused before anything changes."""
+
+        def run() -> tuple[SessionView, SamplingParams]:
+            view = self.engine.get_session(request_id)
+            if view.generating:
+                raise InvalidSessionStateError(
+                    f"cannot start a segment on session {request_id!r}: it is generating; wait "
+                    "for the segment to end or abort it"
+                )
+            params = None
+            if fragment is None:
+                params = params_for(len(view.token_ids))
+            elif not heal:
+                count = (len(self.engine.tokenizer.encode(fragment, add_special_tokens=False))
+                         if isinstance(fragment, str) else len(fragment))
+                params = params_for(len(view.token_ids) + count)
+            if fragment is not None:
+                self.engine.prefill(request_id, fragment, heal=heal)
+                view = self.engine.get_session(request_id)
+            if params is None:
+                params = params_for(len(view.token_ids))
+            self._drained(self.engine.resume)(request_id, params)
+            return view, params
+
+        return await self._call(run)
 
     def _drained(self, fn: Any) -> Any:
         """`fn` preceded by dropping the request's queued outputs of earlier segments."""

@@ -76,16 +76,20 @@ async def create_session(body: SessionCreateRequest, request: Request,
 
 
 async def _segment(state: ServerState, session_id: str, body: SessionGenerateRequest,
-                   request: Request, start: Any) -> Any:
-    """Run one generation segment started by `start(params)`: its text, tokens and finish
-    reason (or a stream of them). A client that leaves stops the segment; the session stays."""
+                   request: Request, fragment: str | list[int] | None = None,
+                   heal: bool = False) -> Any:
+    """Run one generation segment, after appending `fragment` if given (the check, the append
+    and the start are one engine call): its text, tokens and finish reason (or a stream of
+    them). A client that leaves stops the segment; the session stays."""
     if body.n != 1:
         raise APIError(400, "a session generates one sequence: n must be 1", param="n")
     engine = state.engine
-    before = await engine.get_session(session_id)
-    params = body.sampling_params(
-        state.max_tokens(body.max_tokens, len(before.token_ids) + 1), body.logprobs)
-    await start(params)
+
+    def params_for(num_tokens: int) -> Any:
+        return body.sampling_params(state.max_tokens(body.max_tokens, num_tokens + 1),
+                                    body.logprobs)
+
+    before, params = await engine.start_segment(session_id, params_for, fragment, heal)
     num_before = len(before.token_ids) - before.num_prompt_tokens
     base = len(state.tokenizer.decode(list(before.token_ids[before.num_prompt_tokens:])))
     decode = state.decode_token
@@ -147,8 +151,7 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
     """Generate one segment from the session's stored logits, then pause again."""
     state = get_state(request)
     _owned(state, session_id, key)
-    return await _segment(state, session_id, body, request,
-                          lambda params: state.engine.resume(session_id, params))
+    return await _segment(state, session_id, body, request)
 
 
 @router.post("/{session_id}/append")
@@ -164,12 +167,9 @@ async def append(session_id: str, body: SessionAppendRequest, request: Request,
         if body.n != 1:
             raise APIError(400, "a session generates one sequence: n must be 1", param="n")
         # The fragment is appended first, so the segment's text and token counts start after
-        # it; the segment then starts on the paused session. If no step has computed the
-        # fragment yet, the step that computes it samples the first token (no extra step);
-        # otherwise the first token comes from its stored logits. Same tokens either way.
-        await state.engine.prefill(session_id, fragment, heal=body.heal)
-        return await _segment(state, session_id, body, request,
-                              lambda params: state.engine.resume(session_id, params))
+        # it; the step that computes the fragment samples the first token. A session that is
+        # generating is refused (409) before the fragment is appended.
+        return await _segment(state, session_id, body, request, fragment, heal=body.heal)
     appended = await state.engine.prefill(session_id, fragment, heal=body.heal)
     view = await state.engine.get_session(session_id)
     return {"id": session_id, "object": "session", "appended_tokens": appended,

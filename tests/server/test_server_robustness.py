@@ -427,6 +427,32 @@ def test_concurrent_session_creations_respect_the_quota(secure, monkeypatch):
     assert_clean(secure)
 
 
+def test_concurrent_appends_that_generate_leave_only_the_accepted_fragment(server):
+    """Two appends with sampling parameters at once on one session: one generates, the other
+    is refused with 409 before its fragment is appended (it used to be appended anyway)."""
+    with httpx.Client(base_url=server.base_url, timeout=30) as c:
+        r = c.post("/v1/sessions", json={"prompt": "Once upon a time"})
+        assert r.status_code == 200, r.text
+        sid = r.json()["id"]
+
+    async def both() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as c:
+            return await asyncio.gather(*[
+                c.post(f"/v1/sessions/{sid}/append",
+                       json={"text": word, "max_tokens": 30, "ignore_eos": True})
+                for word in (" ALPHA", " BRAVO")])
+
+    responses = asyncio.run(both())
+    assert sorted(r.status_code for r in responses) == [200, 409], [r.text for r in responses]
+    accepted, refused = (" ALPHA", " BRAVO") if responses[0].status_code == 200 else (
+        " BRAVO", " ALPHA")
+    with httpx.Client(base_url=server.base_url, timeout=30) as c:
+        text = c.get(f"/v1/sessions/{sid}").json()["text"]
+        assert accepted in text and refused not in text, text
+        assert c.delete(f"/v1/sessions/{sid}").status_code == 200
+    assert_clean(server)
+
+
 def _json_headers(key: str) -> dict[str, str]:
     return {**_auth(key), "Content-Type": "application/json"}
 
