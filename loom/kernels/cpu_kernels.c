@@ -1065,7 +1065,7 @@ LOOM_EXPORT void loom_linear_f32(const float *x, int64_t m, int64_t k, const flo
     f32_body(x, m, k, w, bias, n, y);
 }
 
-/* ---- one decoder layer for a batch of decoding sequences, in one call ---- */
+/* ---- one decoder layer for a step's tokens (decodes and prefill chunks), in one call ---- */
 
 /* A linear layer as the fused decoder sees it. */
 typedef struct {
@@ -1203,7 +1203,7 @@ static void decode_layer_body(const LoomDecoderLayer *L, float *x, int64_t m, co
     add_block_output(L, L->post_ffn_norm, ws->h, x, m);
 }
 
-/* All decoder layers of a small step: x [m, hidden] (updated in place) holds the step's m new
+/* All decoder layers of a step: x [m, hidden] (updated in place) holds the step's m new
  * tokens, sequence i owning tokens [q_start[i], q_start[i + 1]), the last positions of its
  * seq_lens[i]. Token t goes to cache slot slots[t]; layer l rotates with cos_t[l]/sin_t[l]
  * [m, head_dim] and keeps its cache in k_caches[l]/v_caches[l] [blocks, block_size, kv_heads,

@@ -56,9 +56,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, H] of the packed tokens (attention metadata from the context).
 
-        Small steps on the CPU (decodes, short appends) run the layers through
-        `FusedDecoder` when it supports the model (one C call for all layers); everything
-        else runs the modules.
+        On the CPU the layers run through `FusedDecoder` when it supports the model (one C
+        call for all layers): every step in w8a8, small steps (decodes, short appends)
+        otherwise; everything else runs the modules.
         """
         h = self.model.embed_tokens(input_ids)
         if self.embed_scale is not None:
