@@ -202,15 +202,16 @@ class AsyncLLMEngine:
                     f"cannot start a segment on session {request_id!r}: it is generating; wait "
                     "for the segment to end or abort it"
                 )
-            params = None
+            params, appended = None, fragment
             if fragment is None:
                 params = params_for(len(view.token_ids))
             elif not heal:
-                count = (len(self.engine.tokenizer.encode(fragment, add_special_tokens=False))
-                         if isinstance(fragment, str) else len(fragment))
-                params = params_for(len(view.token_ids) + count)
-            if fragment is not None:
-                self.engine.prefill(request_id, fragment, heal=heal)
+                # Tokenised here once, as prefill would (no BOS), to know the new length.
+                if isinstance(fragment, str) and fragment:
+                    appended = self.engine.tokenizer.encode(fragment, add_special_tokens=False)
+                params = params_for(len(view.token_ids) + len(appended))
+            if appended is not None:
+                self.engine.prefill(request_id, appended, heal=heal)
                 view = self.engine.get_session(request_id)
             if params is None:
                 params = params_for(len(view.token_ids))

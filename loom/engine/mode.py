@@ -69,12 +69,6 @@ class HostInfo:
             return "avx2"
         return "baseline"
 
-    @property
-    def native_bf16(self) -> bool:
-        """The CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX); elsewhere bf16 matmuls
-        are emulated and never measured faster."""
-        return bool({"avx512_bf16", "amx_bf16"} & self.cpu_flags)
-
     @classmethod
     def detect(cls, device: str) -> HostInfo:
         """Probe this machine (the bf16 timing is left to `bf16_ratio`, run at most once per

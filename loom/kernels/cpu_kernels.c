@@ -301,12 +301,11 @@ static inline __m256 exp256(__m256 x) {
  * into units (at most ATTN_UNIT consecutive tokens of one sequence), and the units grouped
  * into windows whose merge scratch fits the budget. */
 typedef struct {
-    int64_t units, windows, window_tokens, parts;
-    int64_t *unit_seq, *unit_t0, *unit_t1; /* [units]: sequence, token range [t0, t1) */
+    int64_t windows, parts;
+    int64_t *unit_seq, *unit_t0, *unit_t1; /* per unit: sequence, token range [t0, t1) */
     int64_t *window_unit;                  /* [windows + 1]: units of window w */
-    int64_t threads;
-    float *merge;  /* window_tokens x h x parts x (d + 2): each part's output, max, sum */
-    float *local;  /* per thread: scores, one converted K row, a part's converted V rows */
+    float *merge; /* widest window's tokens x h x parts x (d + 2): each part's output, max, sum */
+    float *local; /* per thread: scores, a key block's converted K rows, a part's V rows */
     int64_t local_floats;
 } AttnPlan;
 
@@ -320,7 +319,6 @@ static AttnPlan attn_plan(const int64_t *q_start, int64_t s, int64_t h, int64_t 
     int64_t units = 0;
     for (int64_t i = 0; i < s; i++)
         units += (q_start[i + 1] - q_start[i] + ATTN_UNIT - 1) / ATTN_UNIT;
-    p.units = units;
     p.unit_seq = (int64_t *)malloc((size_t)(3 * units + units + 2) * sizeof(int64_t));
     p.unit_t0 = p.unit_seq + units;
     p.unit_t1 = p.unit_t0 + units;
@@ -340,11 +338,9 @@ static AttnPlan attn_plan(const int64_t *q_start, int64_t s, int64_t h, int64_t 
         }
     p.windows = units > 0 ? windows + 1 : 0;
     p.window_unit[p.windows] = units;
-    p.window_tokens = widest;
-    p.threads = omp_get_max_threads();
     p.merge = (float *)malloc((size_t)(widest * per_token + 1) * sizeof(float));
     p.local_floats = ATTN_UNIT * ATTN_MAX_GROUP * ATTN_PART + (ATTN_PART + ATTN_KEY_BLOCK) * d;
-    p.local = (float *)malloc((size_t)(p.threads * p.local_floats) * sizeof(float));
+    p.local = (float *)malloc((size_t)(omp_get_max_threads() * p.local_floats) * sizeof(float));
     return p;
 }
 
@@ -710,8 +706,9 @@ LOOM_EXPORT const char *loom_kernel_variant(void) {
  *
  * The integer sums are exact whatever order computes them, and the float operations form one
  * fixed chain per output, so y[r, c] is the same bits whatever the number of rows in the call,
- * the tiling, the thread count or the instruction set (every variant, and `w8a8_ref`, compute
- * exactly this). That is what makes a token's logits independent of its batch and chunk. */
+ * the tiling, the thread count or the instruction set (every variant, and
+ * `loom_linear_w8a8_ref`, compute exactly this). That is what makes a token's logits
+ * independent of its batch and chunk. */
 
 #define QBLOCK 32
 /* Output columns one weight vector covers (one 256-bit register of int32 sums). */
@@ -738,8 +735,9 @@ LOOM_EXPORT const char *loom_kernel_variant(void) {
 /* x [k] float -> xq [k] int8, xs [k / 32] float with x ~ xq * xs per block (symmetric), and
  * xsum [k / 32] = 128 * the sum of each block's xq (what the VNNI path's unsigned weights add):
  * scale d = max|x| / 127, q = round-half-even(x * (1 / d)). One element at a time: the
- * reference `quantize_row_q8` must equal (the default rounding mode is round-half-even, as
- * lrintf and cvtps2dq use; max and the integer sum are exact in any order). */
+ * reference that the vector `quantize_row_q8` must equal (the default rounding mode is
+ * round-half-even, as lrintf and cvtps2dq use; max and the integer sum are exact in any
+ * order). */
 static void quantize_row_q8_scalar(const float *x, int64_t k, int8_t *xq, float *xs,
                                    int32_t *xsum) {
     for (int64_t b = 0; b < k / QBLOCK; b++) {
@@ -801,7 +799,7 @@ static void quantize_rows_body(const float *x, int64_t m, int64_t k, int8_t *xq,
         quantize_row_q8(x + r * k, k, xq + r * k, xs + r * (k / QBLOCK), xsum + r * (k / QBLOCK));
 }
 
-/* The packed weight ("vnni" layout, `loom.models.quant.to_packed_layout`): output columns in
+/* The packed weight (`loom.kernels.w8a8_layout.to_packed_layout`): output columns in
  * groups of COLS, each group's k in steps of 4, as unsigned bytes w + 128:
  *     wp[((g * (k / 4) + s) * COLS + c) * 4 + j] = W[COLS * g + c, 4 s + j] + 128
  * so one 32-byte load holds 4 consecutive k of 8 columns, a group is one sequential stream of

@@ -7,6 +7,7 @@ import ctypes
 import torch
 
 from loom.kernels.build import load_library
+from loom.kernels.w8a8_layout import PACKED_COLUMNS, to_packed_layout
 
 
 def cpu_kernels_available() -> bool:
@@ -58,7 +59,7 @@ def linear_w8(
 
     `quantize_activations=True` (w8a8) rounds each block of 32 activations to int8 (own scale)
     and multiplies in integers, by one arithmetic for any M; needs K % 32 == 0. Its weight is
-    `layout="packed"` (uint8, as `loom.models.quant.to_packed_layout` stores it) or row-major
+    `layout="packed"` (uint8, as `loom.kernels.w8a8_layout.to_packed_layout` stores it) or row-major
     int8 (`"rows"`: packed here on every call, for tests); both give the same bits.
     """
     _check(x, "x", torch.float32)
@@ -73,7 +74,7 @@ def linear_w8(
         raise ValueError(f"quantize_activations needs K % 32 == 0, got K = {k}")
     if layout == "packed":
         _check(weight, "weight", torch.uint8)
-        shape_ok = weight.shape == (-(-n // 8), k // 4, 8, 4)
+        shape_ok = weight.shape == (-(-n // PACKED_COLUMNS), k // 4, PACKED_COLUMNS, 4)
     else:
         _check(weight, "weight", torch.int8)
         shape_ok = weight.shape == (n, k)
@@ -83,8 +84,6 @@ def linear_w8(
     if bias is not None:
         _check(bias, "bias", torch.float32)
     if quantize_activations and layout == "rows":
-        from loom.models.quant import to_packed_layout
-
         weight = to_packed_layout(weight)
     y = torch.empty((m, n), dtype=torch.float32)
     lib = _lib()

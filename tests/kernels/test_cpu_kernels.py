@@ -138,7 +138,7 @@ def test_linear_f32_matches_matmul_and_is_batch_invariant(m: int, n: int, k: int
 
 
 def test_packed_layout_round_trips_and_pads_the_last_column_group() -> None:
-    from loom.models.quant import from_packed_layout, to_packed_layout
+    from loom.kernels.w8a8_layout import from_packed_layout, to_packed_layout
 
     g = torch.Generator().manual_seed(9)
     w = torch.randint(-127, 128, (61, 96), dtype=torch.int8, generator=g)
@@ -157,7 +157,7 @@ def test_w8a8_kernel_is_its_reference_arithmetic_bit_for_bit(n: int, k: int) -> 
     column count (a padded last group, an odd last panel) gives exactly the plain-C result of
     the documented arithmetic, so no tiling or instruction set changes a bit."""
     from loom.kernels import linear_w8a8_reference
-    from loom.models.quant import to_packed_layout
+    from loom.kernels.w8a8_layout import to_packed_layout
 
     g = torch.Generator().manual_seed(n + k)
     w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)

@@ -1,0 +1,34 @@
+"""The weight layout Loom's w8a8 kernel reads (`w8a8_body` in cpu_kernels.c).
+
+Output columns in groups of PACKED_COLUMNS, each group's K in steps of 4, stored as unsigned
+bytes w + 128: one 32-byte load holds 4 consecutive k of 8 columns, and a group is one
+sequential stream. The kernel owns this layout; `loom.models.quant.Int8Linear` stores its
+w8a8 weights in it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Output columns per group of the packed layout (one vector of int32 sums in the kernel).
+PACKED_COLUMNS = 8
+
+
+def to_packed_layout(w_int8: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 -> the w8a8 kernel's layout: uint8 [ceil(N/8), K/4, 8, 4] holding w + 128,
+    columns in groups of 8, each group's K in steps of 4 (the last group padded with zero
+    weights). See `w8a8_body` in cpu_kernels.c."""
+    n, k = w_int8.shape
+    groups = -(-n // PACKED_COLUMNS)
+    padded = torch.zeros(groups * PACKED_COLUMNS, k, dtype=torch.int16)
+    padded[:n] = w_int8.to(torch.int16)
+    packed = padded.view(groups, PACKED_COLUMNS, k // 4, 4).permute(0, 2, 1, 3) + 128
+    return packed.to(torch.uint8).contiguous()
+
+
+def from_packed_layout(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of `to_packed_layout`: the row-major int8 weight [N, K]."""
+    groups, steps = packed.shape[:2]
+    rows = (packed.to(torch.int16) - 128).permute(0, 2, 1, 3).reshape(groups * PACKED_COLUMNS,
+                                                                      steps * 4)
+    return rows[:n].to(torch.int8).contiguous()
