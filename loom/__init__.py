@@ -1,7 +1,7 @@
 """Loom: an LLM inference engine whose requests are live sessions."""
 
 from loom.errors import LoomError
-from loom.sampling_params import SamplingParams
+from loom.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = [
     "LLM",
@@ -11,6 +11,7 @@ __all__ = [
     "LLMEngine",
     "LoomError",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "SpecialKwargs",
 ]

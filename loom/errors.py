@@ -60,7 +60,3 @@ class InvalidSessionStateError(LoomError):
 
 class KVConnectorError(LoomError):
     """A KV connector that cannot be found or started from the given configuration."""
-
-
-class OutOfKVBlocksError(LoomError):
-    """The KV pool cannot hold even a single request of the given length."""

@@ -3,9 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import Any
 
 from loom.errors import InvalidSamplingParamsError
+
+
+class RequestOutputKind(Enum):
+    """What a request's outputs hold (vLLM's names).
+
+    CUMULATIVE: every output holds everything after the prompt so far (tokens, text,
+    logprobs). DELTA: each output holds only what the sequence produced since the previous
+    one; concatenated, the deltas give exactly what the request (or a session's segment)
+    generated. FINAL_ONLY: one cumulative output when the request, or a session's segment,
+    finishes."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass(frozen=True)
@@ -35,6 +50,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     logits_processors: list[Any] | None = field(default=None, compare=False)
+    # What each output of the request holds (vLLM's `output_kind`): everything so far, what
+    # is new since the previous output, or one output when the request (or a session's
+    # segment) finishes.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +97,8 @@ class SamplingParams:
             not isinstance(t, int) or t < 0 for t in self.stop_token_ids
         ):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "must be a RequestOutputKind")
         if self.seed is not None and (
             not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63 - 1024
         ):

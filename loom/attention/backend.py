@@ -1,4 +1,4 @@
-"""The attention backend interface and its registry."""
+"""The attention backend interface (the factory that picks one lives in `selector`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 from loom.attention.metadata import AttentionMetadata
-from loom.kernels import cpu_kernels_available
 
 
 @dataclass(frozen=True)
@@ -55,37 +54,6 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Attend: q [T, H, D], k/v [T, Hkv, D] -> output [T, H * D] (stores k/v first)."""
-
-
-def get_attention_backend(
-    name: str = "auto", device: torch.device | str = "cpu"
-) -> AttentionBackend:
-    """Return the backend registered under `name`; "auto" picks the best one for `device`.
-
-    "auto" is "cpu" (the C decode kernel) on a CPU where Loom's kernels build, "triton" (paged
-    attention kernels) on CUDA where Triton imports, else "torch" (the reference). "triton"
-    on a CPU runs only under Triton's interpreter (TRITON_INTERPRET=1): tests use it so.
-    """
-    from loom.attention.cpu_backend import CpuAttentionBackend
-    from loom.attention.torch_backend import TorchAttentionBackend
-    from loom.attention.triton_backend import TritonAttentionBackend, triton_available
-
-    backends: dict[str, type[AttentionBackend]] = {
-        "torch": TorchAttentionBackend,
-        "cpu": CpuAttentionBackend,
-        "triton": TritonAttentionBackend,
-    }
-    if name == "auto":
-        kind = torch.device(device).type
-        if kind == "cpu":
-            name = "cpu" if cpu_kernels_available() else "torch"
-        else:
-            name = "triton" if kind == "cuda" and triton_available() else "torch"
-    if name == "triton" and not triton_available():
-        raise ValueError("attention backend 'triton' needs the triton package")
-    if name not in backends:
-        raise ValueError(f"unknown attention backend {name!r}; known: {['auto', *backends]}")
-    return backends[name]()
 
 
 def allocate_kv_caches(

@@ -46,11 +46,6 @@ class AttentionMetadata:
         return int(self.slot_mapping.shape[0])
 
     @property
-    def start_pos_list(self) -> list[int]:
-        """Position of each sequence's first query token."""
-        return [s - q for s, q in zip(self.seq_lens_list, self.query_lens_list, strict=True)]
-
-    @property
     def is_pure_decode(self) -> bool:
         """True when every sequence computes exactly one token."""
         return all(q == 1 for q in self.query_lens_list)

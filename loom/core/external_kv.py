@@ -8,13 +8,23 @@
 
 Gaps are uncomputed tokens like any other: the scheduler's rule (compute from the frontier
 up to `Request.computable_end`) schedules them, chunked by the budget, batched with others.
+
+The connector may be a user's class, and any of its methods may raise. A raise is a fault of
+the request(s) the call concerns, never of the step: a match that raises is no match (the
+request computes everything); a raise while planning a request's load (after its blocks were
+allocated) fails that load, and one in `build_connector_meta` fails every load of the step,
+both settled like failed blocks under `kv_load_failure_policy`; one in `request_finished` is
+logged and the blocks are freed anyway. Each fault is logged once, with the exception.
 """
 
 from __future__ import annotations
 
+import logging
+
 from loom.core.kv_cache_manager import KVCacheManager
 from loom.core.kv_transfer import (
     LoadFailure,
+    Range,
     SchedulerConnector,
     blocks_to_ranges,
     subtract_ranges,
@@ -22,6 +32,13 @@ from loom.core.kv_transfer import (
 )
 from loom.core.request import Request
 from loom.core.scheduler_output import FilledBlock, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def _fault(method: str, error: Exception) -> str:
+    """Why a connector call failed, as settled loads and logs name it."""
+    return f"the connector's {method} raised {type(error).__name__}: {error}"
 
 
 class ExternalKV:
@@ -40,35 +57,75 @@ class ExternalKV:
     def match(self, request: Request, start: int, num_table_blocks: int) -> int:
         """Tokens after `start` (the frontier past local cache hits) that the store holds; 0
         when the request's table (`num_table_blocks` with the hits) does not end exactly at
-        `start` on a block boundary, or drafts are pending."""
+        `start` on a block boundary, or drafts are pending, or the connector raised or
+        answered outside its contract (logged: the request computes those tokens)."""
         size = self.block_size
         if request.num_draft_tokens or start % size or num_table_blocks * size != start:
             return 0
-        num_external, _ = self.connector.get_num_new_matched_tokens(request, start)
+        try:
+            num_external, _ = self.connector.get_num_new_matched_tokens(request, start)
+        except Exception as error:  # a user's connector: no hit, the request computes
+            logger.warning("request %r: %s; computing its tokens instead",
+                           request.request_id, _fault("get_num_new_matched_tokens", error))
+            return 0
         num_external = num_external or 0
         last_allowed = (request.num_tokens - 1) // size * size  # the last token is computed
-        if num_external < 0 or num_external % size or start + num_external > last_allowed:
-            raise ValueError(
-                f"request {request.request_id}: the connector matched {num_external} tokens "
-                f"after {start}; it must match whole blocks of {size} and leave the last "
-                f"of {request.num_tokens} tokens to compute"
-            )
+        if (not isinstance(num_external, int) or num_external < 0 or num_external % size
+                or start + num_external > last_allowed):
+            logger.warning(
+                "request %r: the connector matched %r tokens after %d; it must match whole "
+                "blocks of %d and leave the last of %d tokens to compute; computing them "
+                "instead", request.request_id, num_external, start, size, request.num_tokens)
+            return 0
         return num_external
 
     def start_load(self, request: Request, num_external: int, out: SchedulerOutput) -> None:
         """The request's blocks hold slots for `num_external` matched tokens after its
-        frontier: the runner loads all but the connector's gaps in this step."""
+        frontier: the runner loads all but the connector's gaps in this step.
+
+        A connector that raises here fails the whole load (`out.failed_load_plans`): the
+        request still waits this step, and is settled after it like any failed load."""
         start = request.num_computed_tokens
         end = start + num_external
-        self.connector.update_state_after_alloc(
-            request, self.kv.block_ids(request.request_id), num_external
-        )
-        gaps = widen_to_blocks(self.connector.get_computed_token_gaps(request) or [],
-                               self.block_size)
+        gaps: list[Range] = []  # stays empty when the connector raises: all blocks fail
+        method = "update_state_after_alloc"
+        try:
+            self.connector.update_state_after_alloc(
+                request, self.kv.block_ids(request.request_id), num_external
+            )
+            method = "get_computed_token_gaps"
+            gaps = widen_to_blocks(self.connector.get_computed_token_gaps(request) or [],
+                                   self.block_size)
+        except Exception as error:
+            cause = _fault(method, error)
+            logger.warning("request %r: %s; its load fails", request.request_id, cause)
+            out.failed_load_plans[request.request_id] = cause
         request.ready_ranges = subtract_ranges([(start, end)], gaps)
         request.external_end = end
         request.loading_kv = True
         out.loading_request_ids.append(request.request_id)
+
+    def build_meta(self, out: SchedulerOutput) -> None:
+        """Set the step's connector metadata. A connector that raises fails every load
+        planned in this step (the worker gets no metadata: nothing loads, nothing saves)."""
+        try:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        except Exception as error:
+            cause = _fault("build_connector_meta", error)
+            logger.warning("%s; this step's loads (%d requests) fail and it saves nothing",
+                           cause, len(out.loading_request_ids))
+            out.kv_connector_metadata = None
+            for request_id in out.loading_request_ids:
+                out.failed_load_plans.setdefault(request_id, cause)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> None:
+        """Tell the connector the request ends (its blocks are freed right after, whatever
+        the connector does or raises)."""
+        try:
+            self.connector.request_finished(request, block_ids)
+        except Exception as error:
+            logger.warning("request %r: %s; its blocks are freed anyway", request.request_id,
+                           _fault("request_finished", error))
 
     def finish_load(
         self, request: Request, load_errors: dict[int, str], out: SchedulerOutput,

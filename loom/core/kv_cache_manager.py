@@ -58,11 +58,6 @@ class KVCacheManager:
         """Blocks currently free in the pool (cached ones included: they are evictable)."""
         return self.pool.num_free_blocks
 
-    @property
-    def capacity_tokens(self) -> int:
-        """Tokens the whole pool can hold for one request."""
-        return self.pool.num_blocks * self.block_size
-
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (empty if it holds none). Do not mutate."""
         return self._tables.get(request_id, [])

@@ -75,8 +75,8 @@ class Scheduler:
         request = self.requests.pop(request_id)
         self._detach(request)
         self.kv.cache_blocks(request, request.num_computed_tokens)
-        if self.connector is not None:
-            self.connector.request_finished(request, self.kv.block_ids(request_id))
+        if self.external is not None:
+            self.external.request_finished(request, self.kv.block_ids(request_id))
         self.kv.free(request_id)
         request.status = status
         return request
@@ -165,7 +165,7 @@ class Scheduler:
         out.block_copies = self.kv.take_pending_copies()
         if self.external is not None:
             self.external.fill_blocks(out, self.requests)
-            out.kv_connector_metadata = self.external.connector.build_connector_meta(out)
+            self.external.build_meta(out)
         return out
 
     def _chunk(
@@ -362,14 +362,16 @@ class Scheduler:
         """Advance the frontier of every scheduled request by its chunk length, and settle
         this step's external loads (`load_errors`: block id -> why its load failed;
         `load_failure`: why the whole load failed, e.g. the connector raised, so every block
-        it was to load failed)."""
+        it was to load failed; a load that failed while being planned,
+        `out.failed_load_plans`, fails whole for its own reason)."""
         self.num_recomputed_tokens += out.num_recomputed_tokens
         if self.external is not None:
             self.external.num_gap_tokens += out.num_gap_tokens
         for request_id in out.loading_request_ids:
             request = self.requests.get(request_id)
             if request is not None and request.loading_kv and self.external is not None:
-                self.external.finish_load(request, load_errors or {}, out, load_failure)
+                failure = out.failed_load_plans.get(request_id, load_failure)
+                self.external.finish_load(request, load_errors or {}, out, failure)
         for chunk in out.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None:

@@ -85,6 +85,10 @@ class SchedulerOutput:
     filled_blocks: list[FilledBlock] = field(default_factory=list)
     # Tokens computed in gaps of external K/V (the store lacked them or their load failed).
     num_gap_tokens: int = 0
+    # Requests whose load cannot succeed, known while scheduling (the scheduler half of the
+    # connector raised while planning it): request id -> why. Settled after the step as if
+    # every block of the load failed for that reason.
+    failed_load_plans: dict[str, str] = field(default_factory=dict)
     # Requests whose load failed under kv_load_failure_policy="fail" (set after the step).
     load_failures: list[LoadFailure] = field(default_factory=list)
 

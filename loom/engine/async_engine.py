@@ -22,13 +22,15 @@ from typing import Any
 
 import torch
 
-from loom.engine.config import EngineArgs
+from loom.engine.config import EngineArgs, EngineConfig
 from loom.engine.hooks import PendingCall
+from loom.engine.input_processor import InputProcessor
 from loom.engine.llm_engine import LLMEngine
-from loom.engine.outputs import RequestOutput
-from loom.engine.session_ops import Sample, SessionView
+from loom.engine.outputs import OutputAccumulator, RequestOutput
+from loom.engine.sessions import Sample, SessionView
 from loom.errors import InvalidSessionStateError, LoomError, SessionClosedError
-from loom.sampling_params import SamplingParams
+from loom.sampling_params import RequestOutputKind, SamplingParams
+from loom.tokenizer import Tokenizer
 
 _ids = itertools.count()
 
@@ -90,12 +92,12 @@ class AsyncLLMEngine:
         try:
             result = await call.fn()
         except Exception as exc:  # only this request fails: abort it, report to its caller
-            seq = self.engine._seqs.get(call.seq_id)
-            if seq is not None:
-                queue = self._queues.get(seq.group_id)
+            group = self.engine.group_of(call.seq_id)
+            if group is not None:
+                queue = self._queues.get(group)
                 if queue is not None:
                     queue.put_nowait(exc)
-                await self._call(self.engine.abort_request, seq.group_id)
+                await self._call(self.engine.abort_request, group)
             return
         await self._call(self.engine.finish_pending_call, call, result)
 
@@ -112,10 +114,11 @@ class AsyncLLMEngine:
     def _drop_ended_queues(self) -> None:
         """Forget the queues of requests the engine ended by itself (an expired session):
         a caller still waiting on one gets the reason instead of waiting forever."""
-        groups, adding = self.engine._groups, self._adding
-        for request_id in [rid for rid in self._queues if rid not in groups and rid not in adding]:
+        engine, adding = self.engine, self._adding
+        ended = [rid for rid in self._queues if rid not in adding and not engine.is_live(rid)]
+        for request_id in ended:
             queue = self._queues.pop(request_id)
-            reason = self.engine._ended.get(request_id)
+            reason = engine.ended_reason(request_id)
             if reason in ("expired", "closed"):
                 queue.put_nowait(SessionClosedError(f"session {request_id!r} is {reason}"))
             for listener in self.on_ended:
@@ -134,6 +137,32 @@ class AsyncLLMEngine:
             result = fn(*args, **kwargs)
         self._ensure_loop()
         return result
+
+    # ---- facts and lookups (no lock: they read, between steps or not) -------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The engine's tokenizer."""
+        return self.engine.tokenizer
+
+    @property
+    def inputs(self) -> InputProcessor:
+        """The engine's input processor (tokenisation and validation, as the engine does)."""
+        return self.engine.inputs
+
+    @property
+    def config(self) -> EngineConfig:
+        """The engine's resolved configuration."""
+        return self.engine.config
+
+    @property
+    def max_model_len(self) -> int:
+        """The context limit in tokens."""
+        return self.engine.config.max_model_len
+
+    def is_live(self, request_id: str) -> bool:
+        """Whether a request or session by this id is live (paused sessions included)."""
+        return self.engine.is_live(request_id)
 
     # ---- the engine's API as coroutines -------------------------------------------
 
@@ -207,8 +236,7 @@ class AsyncLLMEngine:
                 params = params_for(len(view.token_ids))
             elif not heal:
                 # Tokenised here once, as prefill would (no BOS), to know the new length.
-                if isinstance(fragment, str) and fragment:
-                    appended = self.engine.tokenizer.encode(fragment, add_special_tokens=False)
+                appended = self.engine.inputs.encode_fragment(request_id, fragment)
                 params = params_for(len(view.token_ids) + len(appended))
             if appended is not None:
                 self.engine.prefill(request_id, appended, heal=heal)
@@ -245,10 +273,10 @@ class AsyncLLMEngine:
         """Return once the session is paused with every token computed and logits stored."""
         while True:
             async with self._lock:
-                seq = self.engine._session(request_id)
-                if not seq.generating and seq.last_logits is not None:
+                view = self.engine.get_session(request_id)
+                if not view.generating and view.has_logits:
                     return
-                if not seq.generating and not self.engine.scheduler.has_work():
+                if not view.generating and not self.engine.has_unfinished_requests():
                     # Nothing will compute it (for example a session at the context limit).
                     self.engine.resample(request_id)  # raises the engine's clear error
             await self.step()
@@ -302,7 +330,7 @@ class AsyncLLMEngine:
                     return
         finally:
             self._queues.pop(request_id, None)
-            if request_id in self.engine._groups:
+            if self.engine.is_live(request_id):
                 # Shielded: a consumer cancelled twice (a server's disconnect handling) must
                 # not cancel the abort that frees the request's KV.
                 await asyncio.shield(self.abort(request_id))
@@ -338,7 +366,7 @@ class Session:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self.request_id in self.engine.engine._groups:
+        if self.engine.is_live(self.request_id):
             await self.engine.close(self.request_id)
 
     async def append(self, fragment: str | Sequence[int], **kwargs: Any) -> int:
@@ -346,21 +374,17 @@ class Session:
         return await self.engine.prefill(self.request_id, fragment, **kwargs)
 
     async def generate(self, sampling_params: SamplingParams) -> SegmentOutput:
-        """Generate one segment and wait for it to end."""
-        before = await self.engine.get_session(self.request_id)
-        await self.engine.resume(self.request_id, sampling_params)
-        last: RequestOutput | None = None
+        """Generate one segment and wait for it to end: exactly the tokens it produced."""
+        params = sampling_params.with_updates(output_kind=RequestOutputKind.DELTA)
+        await self.engine.resume(self.request_id, params)
+        gathered = OutputAccumulator()
         async for out in self.engine.outputs(self.request_id):
-            last = out
-        assert last is not None
+            gathered.add(out)
+        last = gathered.result()
         completion = last.outputs[0]
-        num_before = len(before.token_ids) - before.num_prompt_tokens
-        prefix = len(
-            self.engine.engine.tokenizer.decode(list(before.token_ids[before.num_prompt_tokens :]))
-        )
         return SegmentOutput(
-            text=completion.text[prefix:],
-            token_ids=completion.token_ids[num_before:],
+            text=completion.text,
+            token_ids=completion.token_ids,
             finish_reason=completion.finish_reason,
             output=last,
         )

@@ -86,6 +86,9 @@ class EngineConfig:
     quantization: str | None  # resolved: None, "int8" or "w8a8"
     kv_cache_dtype: str  # resolved: the dtype name the KV pool is stored in
     speculative: SpeculativeConfig | None  # None: no speculative decoding
+    # Model facts the engine needs (from the model's config, not the runner).
+    vocab_size: int = 0
+    eos_token_ids: tuple[int, ...] = ()
     kv_transfer: Any = None  # loom.kv_connector.KVTransferConfig, or None
     kv_cache_spec: Any = None  # loom.kv_connector.KVCacheSpec when kv_transfer is set
     special_kwargs: Any = None

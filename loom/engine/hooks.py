@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from loom.engine.llm_engine import LLMEngine
+    from loom.engine.sequence_table import SequenceTable
     from loom.tokenizer import Tokenizer
 
 # What an async hook function returns: text or token ids to append before continuing.
@@ -40,16 +40,21 @@ class PendingCall:
 
 
 class HookContext:
-    """What a hook may do to the engine's sequences (ids are the scheduler's sequence ids)."""
+    """What a hook may do to the engine's sequences (ids are the scheduler's sequence ids).
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self._engine = engine
+    It acts only through the sequence table's lifecycle API; the async calls it collects
+    are run by whoever drives the engine (`LLMEngine` inline, `AsyncLLMEngine` on its loop).
+    """
+
+    def __init__(self, table: SequenceTable) -> None:
+        self._table = table
         self.warnings: dict[str, int] = {}
+        self.pending_calls: list[PendingCall] = []
 
     @property
     def tokenizer(self) -> Tokenizer:
         """The engine's tokenizer."""
-        return self._engine.tokenizer
+        return self._table.tokenizer
 
     def warn(self, what: str) -> None:
         """Count a condition a hook ignored (for example a limit that was reached)."""
@@ -57,23 +62,23 @@ class HookContext:
 
     def depth(self, seq_id: str) -> int:
         """0 for a request's own sequence, 1 for its children, and so on."""
-        return self._engine._seqs[seq_id].depth
+        return self._table[seq_id].depth
 
     def parent(self, seq_id: str) -> str | None:
         """The parent's sequence id, or None."""
-        return self._engine._seqs[seq_id].parent_id
+        return self._table[seq_id].parent_id
 
     def children(self, seq_id: str) -> list[str]:
         """Children spawned by the sequence and not joined yet, in spawn order."""
-        return list(self._engine._seqs[seq_id].children)
+        return list(self._table[seq_id].children)
 
     def mark_joined(self, seq_id: str) -> None:
         """Forget the sequence's current children for later joins (they stay in its outputs)."""
-        self._engine._seqs[seq_id].children.clear()
+        self._table[seq_id].children.clear()
 
     def is_finished(self, seq_id: str) -> bool:
         """True when the sequence finished (or no longer exists)."""
-        seq = self._engine._seqs.get(seq_id)
+        seq = self._table.get(seq_id)
         return seq is None or seq.request.is_finished
 
     def has_unfinished_children(self, seq_id: str) -> bool:
@@ -82,29 +87,41 @@ class HookContext:
 
     def is_blocked(self, seq_id: str) -> bool:
         """True while the sequence waits for its children or an async call."""
-        return self._engine._seqs[seq_id].blocked
+        return self._table[seq_id].blocked
 
     def generated_token_ids(self, seq_id: str) -> list[int]:
         """Tokens after the sequence's own prompt (a child: after the shared context)."""
-        return list(self._engine._seqs[seq_id].output_token_ids)
+        return list(self._table[seq_id].output_token_ids)
 
     def spawn_child(self, seq_id: str, max_tokens: int | None = None) -> str | None:
         """Fork a child that shares the sequence's KV; None if the KV pool cannot take it."""
-        return self._engine._spawn_child(seq_id, max_tokens)
+        return self._table.fork(seq_id, max_tokens)
 
     def block(self, seq_id: str) -> None:
         """Stop scheduling the sequence; it keeps its KV until `unblock`."""
-        self._engine._seqs[seq_id].blocked = True
+        self._table[seq_id].blocked = True
 
     def unblock(self, seq_id: str, append: AsyncResult | None = None) -> None:
         """Append tokens (text or ids; only they are prefilled) and let the sequence go on."""
-        self._engine._unblock(seq_id, append)
+        ids = None
+        if append:
+            ids = (
+                self.tokenizer.encode(append, add_special_tokens=False)
+                if isinstance(append, str)
+                else [int(t) for t in append]
+            )
+        self._table.unblock(seq_id, ids)
 
     def finish(self, seq_id: str) -> None:
         """End the sequence now with finish_reason "stop"."""
-        self._engine._seqs[seq_id].finish_requested = True
+        self._table[seq_id].finish_requested = True
 
     def run_async(self, seq_id: str, fn: Callable[[], Awaitable[AsyncResult]]) -> None:
         """Block the sequence, run `fn()`, append what it returns, and unblock it."""
         self.block(seq_id)
-        self._engine._pending_calls.append(PendingCall(seq_id, fn))
+        self.pending_calls.append(PendingCall(seq_id, fn))
+
+    def take_pending_calls(self) -> list[PendingCall]:
+        """Async calls hooks asked for since the last take."""
+        calls, self.pending_calls = self.pending_calls, []
+        return calls

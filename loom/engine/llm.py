@@ -10,7 +10,7 @@ from loom.engine.config import EngineArgs
 from loom.engine.llm_engine import LLMEngine
 from loom.engine.outputs import CompletionOutput, RequestOutput
 from loom.errors import LoomError, PromptTooLongError
-from loom.sampling_params import SamplingParams
+from loom.sampling_params import RequestOutputKind, SamplingParams
 
 # Show a progress bar by default only past this many prompts.
 _TQDM_MIN_PROMPTS = 8
@@ -59,6 +59,8 @@ class LLM:
         for prompt, params in zip(prompt_list, params_list, strict=True):
             request_id = f"llm-{next(self._ids)}"
             order.append(request_id)
+            # One output per request, when it finishes: no per-step copies of its text.
+            params = params.with_updates(output_kind=RequestOutputKind.FINAL_ONLY)
             try:
                 self.engine.add_request(request_id, prompt, params)
             except PromptTooLongError as exc:

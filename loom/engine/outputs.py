@@ -47,3 +47,68 @@ class RequestOutput:
     def segment_finished(self) -> bool:
         """True when every sequence's current generation segment has stopped."""
         return all(o.finished for o in self.outputs)
+
+
+class OutputAccumulator:
+    """Folds one request's DELTA outputs into its cumulative output, in O(new tokens) per
+    delta (text pieces are joined once, by `result`)."""
+
+    def __init__(self) -> None:
+        self._last: RequestOutput | None = None
+        self._tokens: dict[int, list[int]] = {}
+        self._texts: dict[int, list[str]] = {}
+        self._logprobs: dict[int, list[PositionLogprobs] | None] = {}
+        self._final: dict[int, CompletionOutput] = {}
+
+    def add(self, delta: RequestOutput) -> None:
+        """Take the next output of the request."""
+        self._last = delta
+        for c in delta.outputs:
+            self._tokens.setdefault(c.index, []).extend(c.token_ids)
+            self._texts.setdefault(c.index, []).append(c.text)
+            if c.logprobs is None:
+                self._logprobs.setdefault(c.index, None)
+            else:
+                gathered = self._logprobs.get(c.index)
+                if gathered is None:
+                    gathered = self._logprobs[c.index] = []
+                gathered.extend(c.logprobs)
+            self._final[c.index] = c
+
+    @property
+    def has_output(self) -> bool:
+        """Whether any output was added."""
+        return self._last is not None
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens gathered so far, over every sequence."""
+        return sum(len(t) for t in self._tokens.values())
+
+    def result(self) -> RequestOutput:
+        """The cumulative output: everything the deltas carried, with the last one's
+        finish reasons, flags, error and children."""
+        last = self._last
+        assert last is not None, "no output was added"
+        outputs = []
+        for index in sorted(self._final):
+            final = self._final[index]
+            outputs.append(CompletionOutput(
+                index=index,
+                text="".join(self._texts[index]),
+                token_ids=list(self._tokens[index]),
+                cumulative_logprob=final.cumulative_logprob,
+                logprobs=self._logprobs.get(index),
+                finish_reason=final.finish_reason,
+                stop_reason=final.stop_reason,
+            ))
+        return RequestOutput(
+            request_id=last.request_id,
+            prompt=last.prompt,
+            prompt_token_ids=last.prompt_token_ids,
+            outputs=outputs,
+            finished=last.finished,
+            metrics=last.metrics,
+            error=last.error,
+            children=last.children,
+        )

@@ -168,6 +168,8 @@ def _build_model_parts(
         hooks=tuple(args.hooks),
         kv_cache_dtype=kv_dtype,
         speculative=speculative,
+        vocab_size=model_config.vocab_size,
+        eos_token_ids=tuple(model_config.eos_token_ids),
         kv_transfer=kv_transfer,
         kv_cache_spec=None if kv_transfer is None else KVCacheSpec(
             model_id=model_identity(model_path), dtype=dtype, kv_cache_dtype=kv_dtype,

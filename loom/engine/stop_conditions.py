@@ -11,8 +11,8 @@ def check_stop(
 ) -> RequestStatus | None:
     """The terminal status the last sampled token causes, or None to keep generating.
 
-    Sets `seq.finish_reason`, `seq.stop_reason` and, for a stop string, `seq.text_cut` (where
-    the returned text ends). Checks run in vLLM's order: stop token, stop string, length.
+    Sets `seq.finish_reason`, `seq.stop_reason` and, for a stop string, cuts the output text
+    where it ends. Checks run in vLLM's order: stop token, stop string, length.
     """
     params = seq.params
     num_generated = len(seq.segment_token_ids)
@@ -25,8 +25,7 @@ def check_stop(
             hit = seq.stop_checker.check(seq.segment_text, seq.last_delta_len)
             if hit is not None:
                 kept_len, stop_str = hit
-                prefix_len = len(seq.detokenizer.text) - len(seq.segment_text)
-                seq.text_cut = prefix_len + kept_len
+                seq.cut_text(len(seq.segment_text) - kept_len)
                 return _stopped(seq, "stop", stop_str, RequestStatus.FINISHED_STOPPED)
     if params.max_tokens is not None and num_generated >= params.max_tokens:
         return _stopped(seq, "length", None, RequestStatus.FINISHED_LENGTH)
@@ -38,6 +37,5 @@ def check_stop(
 def _stopped(
     seq: SequenceState, reason: str, stop_reason: int | str | None, status: RequestStatus
 ) -> RequestStatus:
-    seq.finish_reason = reason
-    seq.stop_reason = stop_reason
+    seq.end_segment(reason, stop_reason)
     return status

@@ -11,6 +11,11 @@ A step with a connector, in the runner:
     bind_connector_metadata(meta) -> start_load_kv() -> wait_for_layer_load(i) for each layer
     -> forward -> save_kv_layer(i, kv_cache[i], attn_metadata) for each layer
     -> wait_for_save() -> get_load_errors() -> clear_connector_metadata()
+
+Any method may raise; the engine logs it and the fault stays with what the call concerns: a
+match that raises is no match; a raise while planning or running a load fails that load (or
+the step's loads) under `kv_load_failure_policy`; a raise while saving leaves blocks unsaved;
+one in `request_finished` changes nothing (the blocks are freed).
 """
 
 from __future__ import annotations
@@ -90,7 +95,3 @@ class KVConnectorBase:
     def get_load_errors(self) -> dict[int, str]:
         """Block id -> why its load failed, for this step's loads."""
         return {}
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        """vLLM's name: the ids of blocks whose load failed in this step."""
-        return set(self.get_load_errors())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from loom.attention import (
     get_attention_backend,
 )
 from loom.attention.triton_backend import TritonAttentionBackend, check_against_reference
-from loom.core.scheduler_output import ScheduledChunk
+from loom.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from loom.models.base import CausalLM
 from loom.models.config import ModelConfig
 from loom.runner.decode_graphs import DecodeGraphRunner
@@ -38,8 +39,24 @@ def kv_cache_bytes_per_block(
     return model_config.num_layers * per_layer * dtype.itemsize
 
 
+@dataclass(frozen=True)
+class ModelOutput:
+    """What one executed step hands back to the engine.
+
+    `logits`: float32 [N, V], `chunk.num_logits` rows per chunk that needs logits, in chunk
+    order. `load_errors`: block id -> why the connector could not load it. `load_failure`:
+    why the whole external load failed (the connector raised), or None."""
+
+    logits: torch.Tensor
+    load_errors: dict[int, str] = field(default_factory=dict)
+    load_failure: str | None = None
+
+
 class ModelRunner:
-    """Owns the paged KV caches and executes one step of scheduled chunks."""
+    """Owns the paged KV caches and executes one step of scheduled chunks.
+
+    `execute_model(SchedulerOutput) -> ModelOutput` is the engine's one call per step: block
+    copies, external KV loads, the forward and the saves all happen inside it."""
 
     def __init__(
         self,
@@ -169,6 +186,17 @@ class ModelRunner:
             except Exception as error:
                 logger.warning("KV connector failed to unbind: %s: %s",
                                type(error).__name__, error)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelOutput:
+        """Run one scheduled step: copy-on-write block copies, then the connector's loads,
+        the forward of every chunk, and the connector's saves. A connector that raises
+        never escapes (its loads count as failed, its saves are skipped); an error in the
+        forward itself propagates: it concerns the whole step."""
+        self.copy_blocks(scheduler_output.block_copies)
+        load_failure = self.load_kv(scheduler_output.kv_connector_metadata)
+        logits = self.execute(scheduler_output.chunks)
+        load_errors = self.save_kv()
+        return ModelOutput(logits, load_errors, load_failure)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy KV block src -> dst in every layer (copy-on-write of forked blocks)."""

@@ -21,7 +21,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     from loom.server.chat_template import ChatTemplate
     from loom.server.metrics import ServerMetrics
 
-    engine_config = engine.engine.config
+    engine_config = engine.config
     state = ServerState(
         engine=engine,
         config=config,

@@ -132,7 +132,7 @@ def serve(namespace: argparse.Namespace) -> int:
         allowed_origins=tuple(namespace.allowed_origins),
     )
     engine = AsyncLLMEngine.from_engine_args(args)
-    print(f"loaded {args.model} ({engine.engine.config.mode_summary})", flush=True)
+    print(f"loaded {args.model} ({engine.config.mode_summary})", flush=True)
     app = build_app(engine, config)
     uvicorn.run(app, host=namespace.host, port=namespace.port, log_level=namespace.log_level)
     return 0

@@ -124,8 +124,8 @@ class EngineCollector(Collector):
         self.model_name = model_name
         self.read = read
         self.prefix_caching = engine.config.scheduler.enable_prefix_caching
-        self.spec_decode = engine.speculator is not None
-        self.kv_connector = engine.kv_connector is not None
+        self.spec_decode = engine.config.speculative is not None
+        self.kv_connector = engine.config.kv_transfer is not None
 
     def describe(self) -> Iterable[Metric]:
         """The families `collect` yields (their names are fixed by the engine's config)."""

@@ -10,7 +10,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
-from loom.engine.outputs import RequestOutput
+from loom.engine.outputs import OutputAccumulator, RequestOutput
+from loom.errors import LoomError
 from loom.server.errors import APIError, error_body
 from loom.server.protocol import (
     ChatCompletionRequest,
@@ -19,7 +20,6 @@ from loom.server.protocol import (
     TokenizeRequest,
 )
 from loom.server.responses import (
-    StreamState,
     chat_logprobs,
     completion_logprobs,
     now,
@@ -43,23 +43,26 @@ def authenticated(request: Request) -> str:
 
 
 def _prompts(state: ServerState, prompt: Any) -> list[tuple[str | None, list[int]]]:
-    """`prompt` as (text, token ids) pairs: a string, token ids, or a list of either."""
+    """`prompt` as (text, token ids) pairs: a string, token ids, or a list of either;
+    tokenised and checked by the engine's input processor (the engine's own rules)."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
         raise APIError(400, "prompt must not be empty", param="prompt")
+    inputs = state.engine.inputs
     out = []
-    vocab = state.engine.engine.runner.model_config.vocab_size
     for item in prompt:
-        if isinstance(item, str):
-            if not item:
-                raise APIError(400, "prompt must not be empty", param="prompt")
-            out.append((item, state.tokenizer.encode(item, add_special_tokens=True)))
-        else:
-            if not item or any(t >= vocab for t in item):
-                raise APIError(400, f"prompt token ids must be a non-empty list in [0, {vocab})",
-                               param="prompt")
-            out.append((None, list(item)))
+        if not item:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        try:
+            # The context limit is checked with max_tokens (state.max_tokens), as a 400.
+            if isinstance(item, str):
+                out.append((item, inputs.tokenizer.encode(item, add_special_tokens=True)))
+            else:
+                inputs.check_token_ids("prompt", item)
+                out.append((None, list(item)))
+        except LoomError as error:
+            raise APIError(400, str(error), param="prompt") from None
     return out
 
 
@@ -94,12 +97,12 @@ async def _merged(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-    last = None
+async def _gathered(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """A request's whole output from its deltas."""
+    gathered = OutputAccumulator()
     async for out in stream:
-        last = out
-    assert last is not None
-    return last
+        gathered.add(out)
+    return gathered.result()
 
 
 class _Timed:
@@ -112,28 +115,30 @@ class _Timed:
         if self.timer is not None and any(o.token_ids for o in out.outputs):
             self.timer.first_token()
 
-    def done(self, out: RequestOutput | None, reason: str | None = None) -> None:
+    def done(self, out: RequestOutput | None, generated: int, reason: str | None = None
+             ) -> None:
         if self.timer is None:
             return
         if out is None:
             self.timer.finish(0, 0, reason or "abort")
             return
-        generated = sum(len(o.token_ids) for o in out.outputs)
         finish = reason or next((o.finish_reason for o in out.outputs if o.finish_reason), None)
         self.timer.finish(len(out.prompt_token_ids), generated, finish)
 
 
 async def _timed_stream(state: ServerState, prompt_ids: list[int], params: Any,
                         request_id: str) -> AsyncIterator[RequestOutput]:
-    timed, last = _Timed(state), None
+    """The request's deltas, timed for the metrics."""
+    timed, last, generated = _Timed(state), None, 0
     try:
         async for out in state.stream(prompt_ids, params, request_id):
             timed.saw(out)
             last = out
+            generated += sum(len(o.token_ids) for o in out.outputs)
             yield out
     finally:
-        timed.done(last if last is not None and last.finished else None,
-                   None if last is not None and last.finished else "abort")
+        finished = last is not None and last.finished
+        timed.done(last if finished else None, generated, None if finished else "abort")
 
 
 def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
@@ -147,11 +152,6 @@ def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
 
     return StreamingResponse(guarded(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
-
-
-def _holdback(params: Any) -> int:
-    stops = params.stop or []
-    return max((len(s) for s in stops), default=1) - 1
 
 
 @router.post("/v1/completions")
@@ -178,7 +178,7 @@ async def create_completion(body: CompletionRequest, request: Request,
 
     if not body.stream:
         outs = await state.unless_disconnected(
-            request, asyncio.gather(*(_last(s) for s in streams)))
+            request, asyncio.gather(*(_gathered(s) for s in streams)))
         choices = []
         for i, out in enumerate(outs):
             for comp in out.outputs:
@@ -202,7 +202,7 @@ async def create_completion(body: CompletionRequest, request: Request,
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     async def events() -> AsyncIterator[str]:
-        states = [StreamState() for _ in streams]
+        gathered = [OutputAccumulator() for _ in streams]
         last: dict[int, RequestOutput] = {}
         created = now()
         if body.echo:
@@ -214,14 +214,15 @@ async def create_completion(body: CompletionRequest, request: Request,
                                    "logprobs": None, "finish_reason": None}]})
         async for i, out in _merged(streams):
             last[i] = out
-            for comp in out.outputs:
-                text, first, finished = states[i].delta(comp, _holdback(params[i]))
+            gathered[i].add(out)
+            for comp in out.outputs:  # deltas: the engine held back what a stop may cut
+                text, finished = comp.text, comp.finish_reason is not None
                 if not text and not finished:
                     continue
                 yield sse({"id": cid, "object": "text_completion", "created": created,
                            "model": body.model, "choices": [{
                                "index": i * body.n + comp.index, "text": text,
-                               "logprobs": completion_logprobs(comp, decode, top_n, first)
+                               "logprobs": completion_logprobs(comp, decode, top_n)
                                if body.logprobs is not None else None,
                                "finish_reason": comp.finish_reason if finished else None,
                                "stop_reason": comp.stop_reason if finished else None}]})
@@ -230,7 +231,7 @@ async def create_completion(body: CompletionRequest, request: Request,
             yield sse({"id": cid, "object": "text_completion", "created": created,
                        "model": body.model, "choices": [], "children": trees})
         if include_usage:
-            total = [usage(o) for o in last.values()]
+            total = [usage(g.result()) for g in gathered if g.has_output]
             yield sse({"id": cid, "object": "text_completion", "created": created,
                        "model": body.model, "choices": [],
                        "usage": {k: sum(u[k] for u in total) for k in total[0]}})
@@ -254,7 +255,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     decode = state.decode_token
 
     if not body.stream:
-        out = await state.unless_disconnected(request, _last(stream))
+        out = await state.unless_disconnected(request, _gathered(stream))
         return {"id": cid, "object": "chat.completion", "created": now(), "model": body.model,
                 "choices": [{
                     "index": comp.index,
@@ -269,7 +270,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
     async def events() -> AsyncIterator[str]:
-        created, tracker, last = now(), StreamState(), None
+        created, gathered, last = now(), OutputAccumulator(), None
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
             return sse({"id": cid, "object": "chat.completion.chunk", "created": created,
@@ -279,19 +280,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                       "logprobs": None, "finish_reason": None} for i in range(body.n)])
         async for out in stream:
             last = out
-            for comp in out.outputs:
-                text, first, finished = tracker.delta(comp, _holdback(params))
+            gathered.add(out)
+            for comp in out.outputs:  # deltas: the engine held back what a stop may cut
+                text, finished = comp.text, comp.finish_reason is not None
                 if not text and not finished:
                     continue
                 yield chunk([{"index": comp.index,
                               "delta": {"content": text} if text else {},
-                              "logprobs": chat_logprobs(comp, decode, top_n, first)
+                              "logprobs": chat_logprobs(comp, decode, top_n)
                               if body.logprobs else None,
                               "finish_reason": comp.finish_reason if finished else None}])
         if last is not None and last.children:  # `<promise>` children, after the text
             yield chunk([], children=request_tree(last))
         if include_usage and last is not None:
-            yield chunk([], usage=usage(last))
+            yield chunk([], usage=usage(gathered.result()))
 
     return _sse_response(events())
 
@@ -323,7 +325,8 @@ async def detokenize(body: DetokenizeRequest, request: Request,
     """Text of token ids."""
     state = get_state(request)
     state.check_model(body.model)
-    vocab = state.engine.engine.runner.model_config.vocab_size
-    if any(t >= vocab for t in body.tokens):
-        raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+    try:
+        state.engine.inputs.check_token_ids("detokenize", body.tokens)
+    except LoomError as error:
+        raise APIError(400, str(error), param="tokens") from None
     return {"prompt": state.tokenizer.decode(body.tokens)}

@@ -1,8 +1,8 @@
 """Response bodies in OpenAI's shapes, built from the engine's `RequestOutput`s.
 
-Streaming sends, per engine step, the text each choice gained since the previous step
-(`StreamState` remembers what was sent), then a final chunk with `finish_reason`, optional
-usage, and `data: [DONE]`.
+Streaming forwards the engine's DELTA outputs: per step, the text each choice gained (the
+engine holds back the tail a stop string may still cut), then a final chunk with
+`finish_reason`, optional usage, and `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from loom.engine.outputs import CompletionOutput, RequestOutput
@@ -71,34 +70,6 @@ def chat_logprobs(
         item["top_logprobs"] = [entry(t, lp) for t, lp in _top(position, top_n)]
         content.append(item)
     return {"content": content}
-
-
-@dataclass
-class StreamState:
-    """What a stream has sent so far, per choice: characters of text and tokens."""
-
-    sent_chars: dict[int, int] = field(default_factory=dict)
-    sent_tokens: dict[int, int] = field(default_factory=dict)
-    finished: set[int] = field(default_factory=set)
-
-    def delta(self, completion: CompletionOutput, holdback: int = 0,
-              base: int = 0) -> tuple[str, int, bool]:
-        """The new text of a choice after character `base`, the index of its first new
-        token, and whether it just finished (each is reported once). Until it finishes,
-        the last `holdback` characters wait: they may be the start of a stop string that
-        the engine will cut."""
-        index = completion.index
-        chars = self.sent_chars.get(index, 0)
-        tokens = self.sent_tokens.get(index, 0)
-        full = completion.text[base:]
-        end = len(full) if completion.finished else max(chars, len(full) - holdback)
-        text = full[chars:end]
-        self.sent_chars[index] = max(chars, end)
-        self.sent_tokens[index] = len(completion.token_ids)
-        just_finished = completion.finished and index not in self.finished
-        if just_finished:
-            self.finished.add(index)
-        return text, tokens, just_finished
 
 
 def sse(data: dict[str, Any] | str) -> str:

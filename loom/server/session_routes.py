@@ -10,8 +10,9 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from loom.engine.outputs import RequestOutput
-from loom.engine.session_ops import SessionView
+from loom.engine.outputs import OutputAccumulator, RequestOutput
+from loom.engine.sessions import SessionView
+from loom.sampling_params import RequestOutputKind
 from loom.server.errors import APIError
 from loom.server.openai_routes import _sse_response, authenticated, get_state
 from loom.server.protocol import (
@@ -21,7 +22,7 @@ from loom.server.protocol import (
     SessionResampleRequest,
     SessionRewindRequest,
 )
-from loom.server.responses import StreamState, completion_logprobs, request_tree, sse
+from loom.server.responses import completion_logprobs, request_tree, sse
 from loom.server.state import ServerState
 
 router = APIRouter(prefix="/v1/sessions")
@@ -30,7 +31,7 @@ router = APIRouter(prefix="/v1/sessions")
 def _owned(state: ServerState, session_id: str, key: str) -> str:
     """The session id when `key` owns a live session by that id; else 404 (never telling
     another key's session from a missing one)."""
-    alive = session_id in state.engine.engine._groups
+    alive = state.engine.is_live(session_id)
     if state.session_owners.get(session_id) != key or not alive:
         if not alive:
             state.session_owners.pop(session_id, None)
@@ -55,7 +56,7 @@ async def create_session(body: SessionCreateRequest, request: Request,
     prompt = state.prompt_or_messages(body.prompt, body.messages, add_generation_prompt=False)
     # Count and reserve with no await in between: concurrent creations see each other.
     owned = [sid for sid, owner in state.session_owners.items() if owner == key
-             and (sid in state.opening_sessions or sid in state.engine.engine._groups)]
+             and (sid in state.opening_sessions or state.engine.is_live(sid))]
     if len(owned) >= state.config.max_sessions_per_key:
         raise APIError(429, f"this API key has {len(owned)} open sessions, the most allowed "
                             f"(--max-sessions-per-key={state.config.max_sessions_per_key}); "
@@ -86,14 +87,16 @@ async def _segment(state: ServerState, session_id: str, body: SessionGenerateReq
     engine = state.engine
 
     def params_for(num_tokens: int) -> Any:
-        return body.sampling_params(state.max_tokens(body.max_tokens, num_tokens + 1),
-                                    body.logprobs)
+        params = body.sampling_params(state.max_tokens(body.max_tokens, num_tokens + 1),
+                                      body.logprobs)
+        # Deltas: the segment's output is exactly what it generated, whatever a caller
+        # appends to the session meanwhile.
+        return params.with_updates(output_kind=RequestOutputKind.DELTA)
 
-    before, params = await engine.start_segment(session_id, params_for, fragment, heal)
-    num_before = len(before.token_ids) - before.num_prompt_tokens
-    base = len(state.tokenizer.decode(list(before.token_ids[before.num_prompt_tokens:])))
+    before, _ = await engine.start_segment(session_id, params_for, fragment, heal)
     decode = state.decode_token
     top_n = body.logprobs or 0
+    gathered = OutputAccumulator()
 
     async def outputs() -> AsyncIterator[RequestOutput]:
         done = False
@@ -103,44 +106,42 @@ async def _segment(state: ServerState, session_id: str, body: SessionGenerateReq
                     done = True
                     raise APIError(503, out.error, code="request_failed")
                 done = out.segment_finished or out.finished
+                gathered.add(out)
                 yield out
         finally:
-            if not done and session_id in engine.engine._groups:
+            if not done and engine.is_live(session_id):
                 await asyncio.shield(engine.stop_generation(session_id))
 
-    def result(out: RequestOutput) -> dict[str, Any]:
+    def result() -> dict[str, Any]:
+        out = gathered.result()
         comp = out.outputs[0]
         return {"id": session_id, "object": "session.generation",
-                "text": comp.text[base:], "token_ids": comp.token_ids[num_before:],
+                "text": comp.text, "token_ids": comp.token_ids,
                 "finish_reason": comp.finish_reason,
-                "logprobs": completion_logprobs(comp, decode, top_n, num_before)
+                "logprobs": completion_logprobs(comp, decode, top_n)
                 if body.logprobs is not None else None,
                 "usage": {"prompt_tokens": len(before.token_ids),
-                          "completion_tokens": len(comp.token_ids) - num_before},
+                          "completion_tokens": len(comp.token_ids)},
                 "children": request_tree(out)}
 
     if not body.stream:
         async def collect() -> dict[str, Any]:
-            last = None
-            async for out in outputs():
-                last = out
-            assert last is not None
-            return result(last)
+            async for _ in outputs():
+                pass
+            return result()
 
         return await state.unless_disconnected(request, collect())
 
     async def events() -> AsyncIterator[str]:
-        tracker = StreamState(sent_tokens={0: num_before})
-        holdback = max((len(s) for s in params.stop or []), default=1) - 1
         async for out in outputs():
-            comp = out.outputs[0]
-            text, first, finished = tracker.delta(comp, holdback, base)
-            if text or finished:
+            comp = out.outputs[0]  # a delta: the engine held back what a stop may cut
+            finished = comp.finish_reason is not None
+            if comp.text or finished:
                 yield sse({"id": session_id, "object": "session.generation.chunk",
-                           "text": text, "token_ids": comp.token_ids[first:],
+                           "text": comp.text, "token_ids": comp.token_ids,
                            "finish_reason": comp.finish_reason if finished else None})
             if finished:
-                yield sse({**result(out), "object": "session.generation"})
+                yield sse({**result(), "object": "session.generation"})
 
     return _sse_response(events())
 

@@ -13,7 +13,7 @@ from fastapi import Request
 
 from loom.engine.async_engine import AsyncLLMEngine
 from loom.engine.outputs import RequestOutput
-from loom.sampling_params import SamplingParams
+from loom.sampling_params import RequestOutputKind, SamplingParams
 from loom.server.errors import APIError
 from loom.server.limits import check_api_key
 
@@ -49,12 +49,12 @@ class ServerState:
     @property
     def tokenizer(self) -> Any:
         """The engine's tokenizer."""
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
 
     @property
     def max_model_len(self) -> int:
         """The context limit in tokens."""
-        return self.engine.engine.config.max_model_len
+        return self.engine.max_model_len
 
     def decode_token(self, token_id: int) -> str:
         """The text of one token (logprobs entries name tokens by it)."""
@@ -126,10 +126,11 @@ class ServerState:
     async def stream(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Run one request, yielding its output after each step. Whatever ends the iteration
-        early (a client that went away, an error) aborts it, freeing its KV, and its output
-        queue is dropped either way (`AsyncLLMEngine.generate` does both)."""
+        """Run one request, yielding what each step added (DELTA outputs). Whatever ends the
+        iteration early (a client that went away, an error) aborts it, freeing its KV, and
+        its output queue is dropped either way (`AsyncLLMEngine.generate` does both)."""
         request_id = request_id or f"req-{uuid.uuid4().hex}"
+        params = params.with_updates(output_kind=RequestOutputKind.DELTA)
         outputs = self.engine.generate(prompt_ids, params, request_id)
         async with contextlib.aclosing(outputs):
             async for out in outputs:

@@ -53,12 +53,16 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._num_context = len(self._ids)
-        self._text = ""
+        # Emitted text in pieces, joined only when `text` is read: feeding a token costs
+        # O(its text), not O(all text so far).
+        self._pieces: list[str] = []
 
     @property
     def text(self) -> str:
         """All text emitted so far (held-back incomplete characters excluded)."""
-        return self._text
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     @property
     def num_tokens(self) -> int:
@@ -109,5 +113,6 @@ class IncrementalDetokenizer:
         delta = new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        self._text += delta
+        if delta:
+            self._pieces.append(delta)
         return delta

@@ -137,6 +137,68 @@ def test_a_failed_load_under_fail_is_reported_naming_the_tokens_and_block():
     assert s.kv.pool.all_free
 
 
+class RaisingConnector(FakeConnector):
+    """A FakeConnector matching only request "r", whose method `method` raises every time."""
+
+    def __init__(self, method: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.method = method
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if request.request_id != "r":
+            return 0, False
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def __getattribute__(self, name):
+        if name == object.__getattribute__(self, "method"):
+            def boom(*args, **kwargs):
+                raise RuntimeError(f"boom in {name}")
+            return boom
+        return object.__getattribute__(self, name)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+@pytest.mark.parametrize("method", ["update_state_after_alloc", "get_computed_token_gaps",
+                                    "build_connector_meta"])
+def test_a_connector_raising_while_planning_a_load_fails_that_load(method, policy):
+    s = make(RaisingConnector(method, matched=16, gaps=[(4, 8)], policy=policy))
+    s.add_request(Request("r", list(range(20))))
+    s.add_request(Request("other", list(range(100, 106))))
+    out = run_step(s)  # does not raise; settles r's load as failed
+    assert out.loading_request_ids == ["r"] and spans(out) == [("other", 0, 6)]
+    assert f"{method} raised RuntimeError: boom in {method}" in out.failed_load_plans["r"]
+    request = s.requests["r"]
+    assert not request.loading_kv and request.num_computed_tokens == 0
+    # Planning failed before the gap [4, 8) was known, else only the blocks to load failed.
+    failed = 12 if method == "build_connector_meta" else 16
+    assert s.external.num_load_failed_tokens == failed and s.external.num_loaded_tokens == 0
+    if policy == "fail":
+        (failure,) = out.load_failures
+        assert failure.request_id == "r" and f"boom in {method}" in failure.message
+        s.finish("r", RequestStatus.FINISHED_ERROR)
+    else:
+        assert not out.load_failures
+        assert spans(run_step(s)) == [("other", 6, 7), ("r", 0, 20)]  # computes it all
+        s.finish("r", RequestStatus.FINISHED_STOPPED)
+    s.finish("other", RequestStatus.FINISHED_STOPPED)
+    assert s.kv.pool.all_free
+
+
+def test_a_connector_raising_in_a_match_or_at_the_end_costs_no_request(caplog):
+    s = make(RaisingConnector("get_num_new_matched_tokens", matched=16))
+    s.add_request(Request("r", list(range(20))))
+    with caplog.at_level("WARNING", logger="loom"):
+        assert spans(run_step(s)) == [("r", 0, 20)]  # no hit: it computes everything
+    (record,) = caplog.records
+    assert "'r'" in record.getMessage() and "boom in get_num_new_matched_tokens" in (
+        record.getMessage())
+    s = make(RaisingConnector("request_finished", matched=16))
+    s.add_request(Request("r", list(range(20))))
+    run_step(s)
+    s.finish("r", RequestStatus.FINISHED_ABORTED)  # logged, not raised; blocks freed
+    assert s.kv.pool.all_free and not s.requests
+
+
 def test_the_connector_is_asked_after_local_cache_hits_and_only_on_a_block_boundary():
     conn = FakeConnector(matched=0)
     s = make(conn)
@@ -158,12 +220,16 @@ def test_the_connector_is_asked_after_local_cache_hits_and_only_on_a_block_bound
     assert len(conn.calls) == calls
 
 
-def test_a_connector_must_match_whole_blocks_and_leave_the_last_token():
-    for matched in (6, 20):
+def test_a_connector_must_match_whole_blocks_and_leave_the_last_token(caplog):
+    for matched in (6, 20, -4, "8"):
         s = make(FakeConnector(matched=matched))
         s.add_request(Request("r", list(range(20))))
-        with pytest.raises(ValueError, match="whole blocks"):
-            s.schedule()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="loom"):
+            out = run_step(s)  # a match outside the contract is no match: r computes
+        assert spans(out) == [("r", 0, 20)] and not out.loading_request_ids
+        (record,) = caplog.records
+        assert "'r'" in record.getMessage() and "whole blocks of 4" in record.getMessage()
 
 
 def test_preemption_forgets_loaded_ranges_and_readmission_asks_the_store_again():

@@ -109,7 +109,7 @@ def test_blocked_parent_not_scheduled_and_merge_prefills_only_merged_tokens(tiny
     blocked_steps = 0
     merge_chunk = None
     while engine.has_unfinished_requests():
-        seq = engine._seqs.get("t")
+        seq = engine.table.get("t")
         was_blocked = seq is not None and seq.blocked
         engine.step()
         chunks = {c.request_id: c for c in engine.last_scheduler_output.chunks}
@@ -119,9 +119,9 @@ def test_blocked_parent_not_scheduled_and_merge_prefills_only_merged_tokens(tiny
         if merge_chunk is None and "t" in chunks and chunks["t"].token_ids[0] == S:
             merge_chunk = chunks["t"]
             # The step computed <sync> and the merged tokens, then sampled one more.
-            after = engine._seqs["t"].request.token_ids
+            after = engine.table["t"].request.token_ids
             assert merge_chunk.start_pos == 9 + 3 and merge_chunk.end_pos == len(after) - 1
-            merged = engine._seqs["t"].output_token_ids[4:-1]
+            merged = engine.table["t"].output_token_ids[4:-1]
             assert merge_chunk.token_ids == [S, *merged] and len(merged) > 3
     assert blocked_steps >= 4
     assert merge_chunk is not None
@@ -235,7 +235,7 @@ def run_random_trees(folder, num_blocks, plans, abort_first=False):
     for out in run_to_completion(engine).values():
         assert out.finished
     assert engine.kv_pool_all_free
-    assert not engine._seqs
+    assert not list(engine.table)
     return engine
 
 

@@ -66,6 +66,6 @@ def test_request_that_cannot_fit_beside_pinned_sessions_fails_instead_of_liveloc
     for rid, error in errors.items():
         assert "cannot be scheduled" in error and "pinned" in error, (rid, error)
     assert errors  # the pinned sessions leave too little room for at least one of them
-    for rid in list(engine._groups):
+    for rid in engine.table.group_ids():
         engine.close(rid)
     assert engine.kv_pool_all_free

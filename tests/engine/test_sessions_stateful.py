@@ -140,7 +140,7 @@ def test_stateful_sessions(tiny_qwen):
         @rule(data=st.data())
         def check_logits(self, data):
             rid = data.draw(st.sampled_from(self.sessions))
-            seq = self.engine._seqs[rid]
+            seq = self.engine.table[rid]
             if seq.generating or seq.last_logits is None or seq.request.num_uncomputed_tokens:
                 return  # no stored logits for the current tokens yet
             ref = hf_last_logits(hf, list(self.engine.get_session(rid).token_ids))
@@ -164,7 +164,7 @@ def test_stateful_sessions(tiny_qwen):
         def abort(self, data):
             rid = data.draw(st.sampled_from(self.plain))
             self.plain.remove(rid)
-            if rid in self.engine._groups:
+            if self.engine.is_live(rid):
                 self.engine.abort_request(rid)
 
         @invariant()

@@ -40,7 +40,7 @@ def record_steps(engine) -> list[tuple[list[int], list[int], int]]:
     """Wraps the engine's token appending: per sequence and step, (its drafts, the tokens
     kept by verification, how many of them were taken before a stop)."""
     steps = []
-    advance = engine._advance
+    advance = engine.core.appender._advance
 
     def recording(seq, tokens, num_drafts, *args):
         request = seq.request
@@ -49,7 +49,7 @@ def record_steps(engine) -> list[tuple[list[int], list[int], int]]:
         steps.append((list(drafts), list(tokens), taken))
         return taken
 
-    engine._advance = recording
+    engine.core.appender._advance = recording
     return steps
 
 

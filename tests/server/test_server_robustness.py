@@ -54,12 +54,12 @@ def leaks(srv, timeout: float = 10.0) -> str | None:
     dropped, so that one leak does not fail every later test on a shared server."""
     eng, queues = srv.llm_engine, srv.engine._queues
     owners = srv.app.state.loom.session_owners
-    ok = wait_until(lambda: not eng._groups and not owners and not queues
+    ok = wait_until(lambda: not eng.table.group_ids() and not owners and not queues
                     and eng.kv_pool_all_free, timeout)
-    leak = (f"leak: groups={list(eng._groups)} owners={list(owners)} queues={list(queues)} "
+    leak = (f"leak: groups={eng.table.group_ids()} owners={list(owners)} queues={list(queues)} "
             f"free={eng.num_free_blocks}/{eng.stats.num_kv_blocks}")
     for rid in list(queues):
-        if rid not in eng._groups:
+        if not eng.is_live(rid):
             queues.pop(rid, None)
     return None if ok else leak
 
@@ -124,9 +124,9 @@ def test_disconnect_mid_stream_aborts_completion(server, client):
         events, _lines = first_events(r, 2)
         request_id = f"{events[0]['id']}-0"
         time.sleep(0.1)
-        assert request_id in eng._groups  # still generating when the client leaves
-    gone = wait_until(lambda: request_id not in eng._groups, 10)
-    reason, leak = eng._ended.get(request_id), leaks(server)
+        assert eng.is_live(request_id)  # still generating when the client leaves
+    gone = wait_until(lambda: not eng.is_live(request_id), 10)
+    reason, leak = eng.table.ended.get(request_id), leaks(server)
     assert gone and reason == "aborted", f"the request went on after its client left: {reason}"
     assert leak is None, leak
     completion(client)  # the server still serves
@@ -155,7 +155,7 @@ def test_disconnect_mid_session_stream_pauses_the_session(server, client):
     view = client.get(f"/v1/sessions/{sid}").json()
     assert num_prompt < view["num_tokens"] < num_prompt + LONG  # stopped early, kept its tokens
     assert view["num_computed_tokens"] == view["num_tokens"]
-    assert sid in eng._groups and not eng.kv_pool_all_free  # paused, not closed: blocks held
+    assert eng.is_live(sid) and not eng.kv_pool_all_free  # paused, not closed: blocks held
     # The session goes on serving its owner.
     r = client.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 2, "ignore_eos": True})
     assert r.status_code == 200, r.text
@@ -168,15 +168,15 @@ def test_disconnect_mid_session_stream_pauses_the_session(server, client):
 
 def test_client_timeout_aborts_non_streaming_requests(server, client):
     eng = server.llm_engine
-    before = set(eng._ended)
+    before = set(eng.table.ended)
     with pytest.raises(httpx.TimeoutException):
         client.post("/v1/completions", timeout=0.3, json={
             "model": MODEL, "prompt": "Once upon a time", "max_tokens": LONG, "n": 4,
             "ignore_eos": True})
     assert_clean(server)  # the watcher saw the client leave and aborted it
-    aborted = [rid for rid, why in list(eng._ended.items())
+    aborted = [rid for rid, why in list(eng.table.ended.items())
                if rid not in before and rid.startswith("cmpl-")]
-    assert aborted and all(eng._ended[rid] == "aborted" for rid in aborted), aborted
+    assert aborted and all(eng.table.ended[rid] == "aborted" for rid in aborted), aborted
 
     with pytest.raises(httpx.TimeoutException):
         client.post("/v1/chat/completions", timeout=0.3, json={
@@ -449,6 +449,37 @@ def test_concurrent_appends_that_generate_leave_only_the_accepted_fragment(serve
     with httpx.Client(base_url=server.base_url, timeout=30) as c:
         text = c.get(f"/v1/sessions/{sid}").json()["text"]
         assert accepted in text and refused not in text, text
+        assert c.delete(f"/v1/sessions/{sid}").status_code == 200
+    assert_clean(server)
+
+
+def test_a_text_append_during_a_segment_is_not_part_of_its_output(server):
+    """A text-only append made while a session generates goes into the session, never into
+    the generating call's tokens, text or usage (a 12-token segment once returned 19)."""
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        sid = c.post("/v1/sessions", json={"prompt": "Once upon a time"}).json()["id"]
+        appended = []
+        with c.stream("POST", f"/v1/sessions/{sid}/generate",
+                      json={"max_tokens": 40, "ignore_eos": True, "stream": True,
+                            "temperature": 0}) as stream:
+            final = None
+            for line in stream.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if event["object"] == "session.generation.chunk" and not appended:
+                    r = c.post(f"/v1/sessions/{sid}/append", json={"text": " ZEBRA"})
+                    assert r.status_code == 200, r.text
+                    appended.append(r.json()["appended_tokens"])
+                if event["object"] == "session.generation":
+                    final = event
+        assert appended and final is not None
+        assert len(final["token_ids"]) == 40 and final["usage"]["completion_tokens"] == 40
+        assert "ZEBRA" not in final["text"]
+        view = c.get(f"/v1/sessions/{sid}").json()
+        assert "ZEBRA" in view["text"]
+        # The session holds its prompt, the 40 generated tokens and the fragment's tokens.
+        assert view["num_tokens"] == view["num_prompt_tokens"] + 40 + appended[0]
         assert c.delete(f"/v1/sessions/{sid}").status_code == 200
     assert_clean(server)
 
@@ -768,8 +799,8 @@ def test_expired_session_leaves_nothing(fuzz_server):
         sid = r.json()["id"]
         time.sleep(0.2)
         completion(c, max_tokens=1)  # a step expires it
-        assert wait_until(lambda: sid not in eng._groups, 10)
-        assert eng._ended.get(sid) == "expired"
+        assert wait_until(lambda: not eng.is_live(sid), 10)
+        assert eng.table.ended.get(sid) == "expired"
         assert_clean(fuzz_server, timeout=1)
 
 

@@ -10,24 +10,23 @@ computes exactly those k tokens (plus a pending sampled token) and re-allocates 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from loom.core.request import RequestStatus
+from loom.engine.input_processor import InputProcessor
 from loom.engine.sequence import SequenceState
+from loom.engine.sequence_table import SequenceTable
+from loom.engine.token_appender import TokenAppender
 from loom.errors import (
     InvalidRequestError,
     InvalidSessionStateError,
 )
 from loom.sample import make_generator, sample_from_logits
 from loom.sampling_params import SamplingParams
-from loom.tokenizer import IncrementalDetokenizer
-
-if TYPE_CHECKING:
-    from loom.engine.llm_engine import LLMEngine
 
 # Tokens re-tokenised together with a fragment by `prefill(..., heal=True)`.
 HEAL_WINDOW_TOKENS = 6
@@ -55,22 +54,31 @@ class SessionView:
     block_ids: tuple[int, ...]
     generating: bool
     pinned: bool
+    has_logits: bool = False  # the last position's logits are stored (resample can draw)
 
 
-class SessionOps:
-    """The session half of `LLMEngine` (mixed into it; uses its scheduler and tokenizer)."""
+class SessionManager:
+    """The session operations, through the sequence table (which owns the sessions)."""
 
-    def _session(self: LLMEngine, request_id: str) -> SequenceState:
-        seq_ids = self._lookup_group(request_id)
-        seq = self._seqs[seq_ids[0]]
-        if not seq.is_session:
-            raise InvalidSessionStateError(
-                f"request {request_id!r} is not a session; add it with session=True"
-            )
-        return seq
+    def __init__(
+        self,
+        table: SequenceTable,
+        inputs: InputProcessor,
+        appender: TokenAppender,
+        session_ttl_s: float | None,
+    ) -> None:
+        self.table = table
+        self.scheduler = table.scheduler
+        self.tokenizer = table.tokenizer
+        self.inputs = inputs
+        self.appender = appender
+        self.session_ttl_s = session_ttl_s
+
+    def _session(self, request_id: str) -> SequenceState:
+        return self.table.session(request_id)
 
     def prefill(
-        self: LLMEngine,
+        self,
         request_id: str,
         fragment: str | Sequence[int],
         sampling_params: SamplingParams | None = None,
@@ -87,67 +95,54 @@ class SessionOps:
         """
         seq = self._session(request_id)
         request = seq.request
-        if isinstance(fragment, str):
+        if heal:
+            if not isinstance(fragment, str):
+                raise InvalidRequestError("heal=True needs a text fragment")
             if not fragment:
                 raise InvalidRequestError(f"session {request_id!r}: the fragment is empty")
-            if heal:
-                keep, new_ids = self._heal(seq, fragment)
-            else:
-                keep = request.num_tokens
-                new_ids = self.tokenizer.encode(fragment, add_special_tokens=False)
+            keep, new_ids = self._heal(seq, fragment)
+            if not new_ids:
+                raise InvalidRequestError(f"session {request_id!r}: the fragment has no tokens")
+            self.inputs.check_token_ids(request_id, new_ids)
         else:
-            if heal:
-                raise InvalidRequestError("heal=True needs a text fragment")
-            keep, new_ids = request.num_tokens, [int(t) for t in fragment]
-        if not new_ids:
-            raise InvalidRequestError(f"session {request_id!r}: the fragment has no tokens")
-        vocab = self.runner.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in new_ids):
-            raise InvalidRequestError(
-                f"session {request_id!r}: token ids must be in [0, {vocab})"
-            )
-        self._check_length(request_id, keep + len(new_ids))
+            keep, new_ids = request.num_tokens, self.inputs.encode_fragment(request_id, fragment)
+        self.inputs.check_length(request_id, keep + len(new_ids))
         if keep < request.num_tokens:
             self._require_paused(seq, "heal")
-            self._truncate_session(seq, keep)
-        request.append_tokens(new_ids)
-        seq.append_fragment(new_ids)
-        seq.last_logits = None
+            self.table.truncate(seq, keep)
+        self.table.append(seq, new_ids, produced=False)
         if sampling_params is not None:
-            seq.start_segment(sampling_params, self.config.device)
-        request.sample_when_computed = seq.generating
-        self.scheduler.wake(request)
+            self.table.start_segment(seq, sampling_params)
         return len(new_ids)
 
-    def resume(self: LLMEngine, request_id: str, sampling_params: SamplingParams) -> None:
+    def resume(self, request_id: str, sampling_params: SamplingParams) -> None:
         """Start a generation segment on a paused session; its first token comes from the
         stored logits without a model call, or, while its last tokens are still uncomputed (a
         fragment just appended), from the step that computes them."""
         seq = self._session(request_id)
         self._require_paused(seq, "resume")
-        self._check_length(request_id, seq.request.num_tokens + 1)
-        seq.start_segment(sampling_params, self.config.device)
-        seq.request.sample_when_computed = True
+        self.inputs.check_length(request_id, seq.request.num_tokens + 1)
+        self.table.start_segment(seq, sampling_params)
         if seq.last_logits is not None:
-            failed = self._sample_and_append([seq], seq.last_logits.unsqueeze(0))
+            failed = self.appender.sample_and_append([seq], seq.last_logits.unsqueeze(0))
             if failed:  # the segment ended at once; the session is as it was
                 raise InvalidRequestError(failed[seq.group_id])
         self.scheduler.wake(seq.request)
 
-    def stop_generation(self: LLMEngine, request_id: str) -> bool:
+    def stop_generation(self, request_id: str) -> bool:
         """End a generating session's segment now, as a stop condition would (its caller went
         away): the session stays, computes its pending token and pauses with its last
         logits. Returns False when it was not generating."""
         seq = self._session(request_id)
         if not seq.generating or seq.request.is_finished:
             return False
-        seq.finish_reason = "abort"
-        self._end_segment(seq, RequestStatus.FINISHED_ABORTED)
-        self._groups_to_report.add(seq.group_id)
+        seq.end_segment("abort")
+        self.table.end_segment(seq, RequestStatus.FINISHED_ABORTED)
+        self.table.changed_groups.add(seq.group_id)
         return True
 
     def resample(
-        self: LLMEngine,
+        self,
         request_id: str,
         sampling_params: SamplingParams | None = None,
         n: int = 1,
@@ -165,15 +160,15 @@ class SessionOps:
             n=n,
             generator=generator,
             prompt_token_ids=seq.prompt_token_ids,
-            eos_token_ids=self.eos_token_ids,
+            eos_token_ids=self.appender.eos_token_ids,
         )
         return [Sample(t, self.tokenizer.decode([t]), lp) for t, lp in draws]
 
-    def get_logits(self: LLMEngine, request_id: str) -> torch.Tensor:
+    def get_logits(self, request_id: str) -> torch.Tensor:
         """The stored float32 logits row for the session's last position."""
         return self._stored_logits(self._session(request_id)).clone()
 
-    def rewind(self: LLMEngine, request_id: str, num_tokens: int) -> None:
+    def rewind(self, request_id: str, num_tokens: int) -> None:
         """Drop the last `num_tokens` tokens and the blocks that no longer hold any token.
 
         The new last token is computed once more to restore its logits (one recomputed token).
@@ -185,13 +180,12 @@ class SessionOps:
             raise InvalidRequestError(
                 f"session {request_id!r}: can rewind 1..{total - 1} tokens, not {num_tokens}"
             )
-        self._truncate_session(seq, total - num_tokens)
+        self.table.truncate(seq, total - num_tokens)
         request = seq.request
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
-        request.sample_when_computed = False
         self.scheduler.wake(request)
 
-    def get_session(self: LLMEngine, request_id: str) -> SessionView:
+    def get_session(self, request_id: str) -> SessionView:
         """A read-only view of the session's tokens, text, frontier, status and blocks."""
         seq = self._session(request_id)
         request = seq.request
@@ -205,23 +199,39 @@ class SessionOps:
             block_ids=tuple(self.scheduler.kv.block_ids(request.request_id)),
             generating=seq.generating,
             pinned=request.pinned,
+            has_logits=seq.last_logits is not None,
         )
 
-    def close(self: LLMEngine, request_id: str) -> None:
+    def close(self, request_id: str) -> None:
         """End the session and free everything it holds."""
         self._session(request_id)
-        self._end_group(request_id, "closed", RequestStatus.FINISHED_STOPPED)
+        self.table.end_group(request_id, "closed", RequestStatus.FINISHED_STOPPED)
+
+    def expire_idle(self) -> None:
+        """Close the paused sessions idle for longer than their time to live."""
+        idle = self.scheduler.idle
+        if not idle:
+            return
+        now = time.monotonic()
+        expired = []
+        for request in idle.values():
+            seq = self.table[request.request_id]
+            ttl = seq.ttl_s if seq.ttl_s is not None else self.session_ttl_s
+            if ttl is not None and now - request.last_used > ttl:
+                expired.append(seq.group_id)
+        for group in expired:
+            self.table.end_group(group, "expired", RequestStatus.FINISHED_ABORTED)
 
     # ---- helpers ---------------------------------------------------------------------
 
-    def _require_paused(self: LLMEngine, seq: SequenceState, op: str) -> None:
+    def _require_paused(self, seq: SequenceState, op: str) -> None:
         if seq.generating:
             raise InvalidSessionStateError(
                 f"cannot {op} session {seq.group_id!r}: it is generating; wait for the "
                 "segment to end or abort it"
             )
 
-    def _stored_logits(self: LLMEngine, seq: SequenceState) -> torch.Tensor:
+    def _stored_logits(self, seq: SequenceState) -> torch.Tensor:
         if seq.last_logits is None:
             raise InvalidSessionStateError(
                 f"session {seq.group_id!r} has no stored logits yet: step the engine until "
@@ -229,22 +239,7 @@ class SessionOps:
             )
         return seq.last_logits
 
-    def _truncate_session(self: LLMEngine, seq: SequenceState, num_tokens: int) -> None:
-        """Cut the session to its first `num_tokens` tokens and rebuild its output text."""
-        request = seq.request
-        self.scheduler.truncate(request, num_tokens)
-        request.num_prompt_tokens = min(request.num_prompt_tokens, num_tokens)
-        seq.output_token_ids = request.token_ids[request.num_prompt_tokens :]
-        seq.segment_token_ids = []
-        seq.segment_text = ""
-        seq.text_cut = None
-        seq.last_logits = None
-        seq.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, seq.prompt_token_ids, skip_special_tokens=seq.params.skip_special_tokens
-        )
-        seq.detokenizer.append_prompt(seq.output_token_ids)
-
-    def _heal(self: LLMEngine, seq: SequenceState, fragment: str) -> tuple[int, list[int]]:
+    def _heal(self, seq: SequenceState, fragment: str) -> tuple[int, list[int]]:
         """(tokens to keep, tokens to append) so that the tail re-tokenises with the fragment."""
         ids = seq.request.token_ids
         special = set(self.tokenizer.all_special_ids)

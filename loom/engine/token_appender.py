@@ -1,33 +1,72 @@
-"""Sampling a step's logits rows and appending the tokens, one at a time, to their sequences.
+"""`TokenAppender`: sample a step's logits rows and append the tokens to their sequences.
 
-Mixed into `LLMEngine`. Every sampled token goes through the same path (hooks, detokenizer,
-stop checks), whether it came from a plain decode, a `resume` from stored logits or a
-verified speculative draft.
+Every sampled token goes through the same path (hooks, detokenizer, stop checks), whether
+it came from a plain decode, a session's `resume` from stored logits or a verified
+speculative draft.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import torch
 
 from loom.core.request import RequestStatus
+from loom.engine.hooks import HookContext, SequenceHook
 from loom.engine.sequence import SequenceState
-from loom.engine.speculation import kept_tokens
+from loom.engine.sequence_table import SequenceTable
+from loom.engine.speculation import Speculator, kept_tokens
 from loom.engine.stop_conditions import check_stop
-from loom.sample import SamplerOutput, SamplingRow, is_greedy
+from loom.sample import Sampler, SamplerOutput, SamplingRow, is_greedy
 from loom.sample.draw import skip_uniforms
 from loom.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from loom.engine.llm_engine import LLMEngine
 
+class TokenAppender:
+    """Turns logits rows into tokens on their sequences (through the sequence table)."""
 
-class TokenOps:
-    """The token-appending half of `LLMEngine`."""
+    def __init__(
+        self,
+        table: SequenceTable,
+        eos_token_ids: set[int],
+        hooks: Sequence[SequenceHook] = (),
+        hook_context: HookContext | None = None,
+        speculator: Speculator | None = None,
+    ) -> None:
+        self.table = table
+        self.scheduler = table.scheduler
+        self.sampler = Sampler()
+        self.eos_token_ids = eos_token_ids
+        self.hooks = list(hooks)
+        self.hook_context = hook_context or HookContext(table)
+        self.speculator = speculator
+        self.max_model_len = table.max_model_len
+        # Groups whose hook raised (group id -> why) since the last `take_hook_failures`.
+        self.hook_failures: dict[str, str] = {}
 
-    def _sample_and_append(
-        self: LLMEngine,
+    def run_hooks_finished(self, seq_id: str) -> None:
+        """Tell the hooks a sequence finished; a hook that raises fails only its request."""
+        seq = self.table.get(seq_id)
+        try:
+            for hook in self.hooks:
+                hook.on_finished(self.hook_context, seq_id)
+        except Exception as error:
+            if seq is not None:
+                self._hook_failed(seq, error)
+
+    def _hook_failed(self, seq: SequenceState, error: Exception) -> None:
+        self.hook_failures.setdefault(
+            seq.group_id,
+            f"a hook of request {seq.group_id!r} raised {type(error).__name__}: {error}",
+        )
+
+    def take_hook_failures(self) -> dict[str, str]:
+        """Groups whose hook raised since the last take (group id -> why)."""
+        failures, self.hook_failures = self.hook_failures, {}
+        return failures
+
+    def sample_and_append(
+        self,
         seqs: list[SequenceState],
         logits: torch.Tensor,
         drafts: list[list[int]] | None = None,
@@ -81,24 +120,26 @@ class TokenOps:
                 # Blocks that only held rejected drafts go back to the pool.
                 self.scheduler.truncate(seq.request, seq.request.num_tokens)
             first_row += num_rows
+        for group, why in self.take_hook_failures().items():
+            failed.setdefault(group, why)
         return failed
 
     def _pause_failed_segment(
-        self: LLMEngine, seq: SequenceState, num_drafts: int, logits_row: torch.Tensor
+        self, seq: SequenceState, num_drafts: int, logits_row: torch.Tensor
     ) -> None:
         """End a session's segment whose logits processor raised: its drafts are dropped, it
         takes no token and stays paused with `logits_row` (for `resample` or a `resume`)."""
         if num_drafts:
             seq.request.truncate(seq.request.num_tokens - num_drafts)
             self.scheduler.truncate(seq.request, seq.request.num_tokens)
-        seq.finish_reason = "error"
-        self._end_segment(seq, RequestStatus.FINISHED_ABORTED)
+        seq.end_segment("error")
+        self.table.end_segment(seq, RequestStatus.FINISHED_ABORTED)
         seq.last_logits = logits_row.clone()
         # Every token is computed (the step that produced these logits did it).
         self.scheduler.park(seq.request, RequestStatus.PAUSED)
 
     def _advance(
-        self: LLMEngine,
+        self,
         seq: SequenceState,
         tokens: list[int],
         num_drafts: int,
@@ -123,17 +164,26 @@ class TokenOps:
             request.append_tokens([token_id])
             if seq.is_session:
                 seq.last_logits = logits[first_row + j].clone()
-            for hook in self.hooks:
-                hook.on_token(self.hook_context, seq.request_id, token_id)
+            hook_error = None
+            try:
+                for hook in self.hooks:
+                    hook.on_token(self.hook_context, seq.request_id, token_id)
+            except Exception as error:  # a user's hook: only its request fails
+                hook_error = error
             top = result.top_logprobs[first_row + j]
             seq.add_generated(token_id, result.logprobs[first_row + j], dict(top) if top else None)
-            if seq.finish_requested:
-                seq.finish_reason, seq.stop_reason = "stop", token_id
-                self._end_segment(seq, RequestStatus.FINISHED_STOPPED)
+            if hook_error is not None:
+                self._hook_failed(seq, hook_error)
+                seq.end_segment("error")
+                self.table.end_segment(seq, RequestStatus.FINISHED_ABORTED)
                 return j + 1
-            status = check_stop(seq, token_id, self.eos_token_ids, self.config.max_model_len)
+            if seq.finish_requested:
+                seq.end_segment("stop", token_id)
+                self.table.end_segment(seq, RequestStatus.FINISHED_STOPPED)
+                return j + 1
+            status = check_stop(seq, token_id, self.eos_token_ids, self.max_model_len)
             if status is not None:
-                self._end_segment(seq, status)
+                self.table.end_segment(seq, status)
                 return j + 1
             if seq.blocked and not request.is_finished:
                 self.scheduler.park(request, RequestStatus.BLOCKED)

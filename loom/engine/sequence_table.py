@@ -1,0 +1,274 @@
+"""`SequenceTable`: every live sequence and request group, and one lifecycle API for them.
+
+The table is the one place that says whether an id is live: a request id names a group (its
+n sequences, or a session, plus the children a request tree forked), each sequence id names
+a `SequenceState` whose `request` the scheduler holds. Every change to a sequence that the
+scheduler must see goes through here, so the two never disagree:
+
+    add_group -> start_segment / append / fork / truncate -> end_segment -> end_group
+
+Invariants: a sequence is in the table iff its group is; its `Request` is in the scheduler
+until it finishes (then only the table remembers it, until the group ends); an ended group's
+id is remembered with why it ended (`ended_reason`), so late callers get a clear error.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+
+from loom.core.request import Request, RequestStatus
+from loom.core.scheduler import Scheduler
+from loom.engine.sequence import SequenceState
+from loom.errors import (
+    DuplicateRequestError,
+    InvalidSessionStateError,
+    SessionClosedError,
+    UnknownRequestError,
+)
+from loom.sample import make_generator
+from loom.sampling_params import SamplingParams
+from loom.tokenizer import IncrementalDetokenizer, Tokenizer
+
+_MAX_REMEMBERED_ENDED = 10_000
+# Spreads children's seed streams apart from their parent's.
+_CHILD_SEED_STRIDE = 1_000_003
+
+
+class SequenceTable:
+    """Owns the engine's sequences and groups; sessions and request trees act through it."""
+
+    def __init__(
+        self, scheduler: Scheduler, tokenizer: Tokenizer, device: str, max_model_len: int
+    ) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.device = device
+        self.max_model_len = max_model_len
+        self._seqs: dict[str, SequenceState] = {}
+        self._groups: dict[str, list[str]] = {}
+        # Ids that ended recently and why ("finished", "failed", "aborted", "closed",
+        # "expired").
+        self._ended: OrderedDict[str, str] = OrderedDict()
+        # Called with a sequence id when a (non-session) sequence finishes: hooks join on it.
+        self.on_sequence_finished: list[Callable[[str], None]] = []
+        # Groups changed outside a step (a segment stopped by a caller, a join that reached
+        # the context limit): their outputs go out with the next step's.
+        self.changed_groups: set[str] = set()
+
+    # ---- lookups ------------------------------------------------------------------------
+
+    def get(self, seq_id: str) -> SequenceState | None:
+        """The sequence, or None when it is not live."""
+        return self._seqs.get(seq_id)
+
+    def __getitem__(self, seq_id: str) -> SequenceState:
+        return self._seqs[seq_id]
+
+    def is_live(self, request_id: str) -> bool:
+        """Whether a request (or session) by this id is live."""
+        return request_id in self._groups
+
+    def ended_reason(self, request_id: str) -> str | None:
+        """Why a recently ended request ended, or None (live, or never seen)."""
+        return self._ended.get(request_id)
+
+    @property
+    def ended(self) -> OrderedDict[str, str]:
+        """Recently ended ids -> why, oldest first (read-only)."""
+        return self._ended
+
+    def group_ids(self) -> list[str]:
+        """Ids of the live requests and sessions."""
+        return list(self._groups)
+
+    def group(self, request_id: str) -> list[SequenceState]:
+        """Every sequence of a live request (its n, then tree children in fork order); a
+        clear error for an ended or unknown id."""
+        seq_ids = self._groups.get(request_id)
+        if seq_ids is None:
+            reason = self._ended.get(request_id)
+            if reason in ("closed", "expired"):
+                raise SessionClosedError(f"session {request_id!r} is {reason}")
+            if reason is not None:
+                raise UnknownRequestError(f"request {request_id!r} has already {reason}")
+            raise UnknownRequestError(f"unknown request id {request_id!r}")
+        return [self._seqs[s] for s in seq_ids]
+
+    def roots(self, request_id: str) -> list[SequenceState]:
+        """The request's own sequences (not tree children)."""
+        return [s for s in self.group(request_id) if s.parent_id is None]
+
+    def session(self, request_id: str) -> SequenceState:
+        """The session's sequence; an error when the id is not a live session."""
+        seq = self.group(request_id)[0]
+        if not seq.is_session:
+            raise InvalidSessionStateError(
+                f"request {request_id!r} is not a session; add it with session=True"
+            )
+        return seq
+
+    def is_session_group(self, request_id: str) -> bool:
+        """True when the live group is a session."""
+        return any(self._seqs[s].is_session for s in self._groups.get(request_id, ()))
+
+    def __iter__(self) -> Iterator[SequenceState]:
+        return iter(self._seqs.values())
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def add_group(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        session: bool = False,
+        pin: bool = False,
+        ttl_s: float | None = None,
+    ) -> None:
+        """Create a request's sequences (n of them, or one session), each generating with
+        `params`, and queue them (`start_segment(seq, None)` turns sampling off)."""
+        if request_id in self._groups:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in use")
+        seq_ids = [request_id] if params.n == 1 else [f"{request_id}/{i}" for i in range(params.n)]
+        shared_prompt = list(prompt_ids)
+        for index, seq_id in enumerate(seq_ids):
+            request = Request(seq_id, list(prompt_ids), pinned=pin)
+            seq = SequenceState(
+                request=request,
+                params=params,
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens
+                ),
+                group_id=request_id,
+                index=index,
+                prompt=prompt,
+                is_session=session,
+                ttl_s=ttl_s,
+                prompt_ids=shared_prompt,
+            )
+            seq.start_segment(params, self.device)
+            self._seqs[seq_id] = seq
+            self.scheduler.add_request(request)
+        self._groups[request_id] = seq_ids
+        self._ended.pop(request_id, None)
+
+    def start_segment(self, seq: SequenceState, params: SamplingParams | None) -> None:
+        """Begin a generation segment with `params`, or (None) stop sampling: reaching the
+        end of the tokens then parks the sequence with its logits stored."""
+        if params is None:
+            seq.generating = False
+            return
+        seq.start_segment(params, self.device)
+
+    def end_segment(self, seq: SequenceState, status: RequestStatus) -> None:
+        """The segment stopped (its reason is on `seq`): a plain sequence finishes and frees
+        its blocks; a session keeps its KV and computes its pending token, then parks."""
+        if not seq.is_session:
+            self.scheduler.finish(seq.request_id, status)
+            for listener in self.on_sequence_finished:
+                listener(seq.request_id)
+            return
+        seq.generating = False
+        seq.last_logits = None
+
+    def append(self, seq: SequenceState, token_ids: list[int], *, produced: bool) -> None:
+        """Append tokens after every token so far; the next steps compute exactly them.
+
+        `produced`: a hook's result (part of the request's output) rather than a caller's
+        input. A sampling sequence samples again once they are computed."""
+        seq.request.append_tokens(token_ids)
+        if produced:
+            seq.append_produced(token_ids)
+        else:
+            seq.append_input(token_ids)
+        seq.last_logits = None
+        self.scheduler.wake(seq.request)
+
+    def truncate(self, seq: SequenceState, num_tokens: int) -> None:
+        """Cut a paused session to its first `num_tokens` tokens (blocks that no longer hold
+        a token go back to the pool) and rebuild its output text."""
+        request = seq.request
+        self.scheduler.truncate(request, num_tokens)
+        request.num_prompt_tokens = min(request.num_prompt_tokens, num_tokens)
+        seq.prompt_ids = request.token_ids[: request.num_prompt_tokens]
+        seq.output_token_ids = request.token_ids[request.num_prompt_tokens :]
+        seq.segment_token_ids = []
+        seq.segment_text = ""
+        seq.text_cut_chars = 0
+        seq.last_logits = None
+        seq.clear_delta()
+        seq.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, seq.prompt_ids, skip_special_tokens=seq.params.skip_special_tokens
+        )
+        seq.detokenizer.append_prompt(seq.output_token_ids)
+
+    def fork(self, parent_id: str, max_tokens: int | None) -> str | None:
+        """A child of `parent_id` sharing its computed KV (ref-counted blocks), generating
+        with the parent's parameters (`max_tokens` overrides its budget); None when the pool
+        has no block to spare."""
+        parent = self._seqs[parent_id]
+        index = len(parent.all_children)
+        child_id = f"{parent_id}.{index}"
+        tokens = list(parent.request.token_ids)
+        computed = parent.request.num_computed_tokens
+        if not self.scheduler.kv.fork(parent_id, child_id, computed):
+            return None
+        request = Request(
+            child_id, tokens, num_computed_tokens=computed, max_computed_tokens=computed
+        )
+        params = parent.params
+        if max_tokens is not None:
+            params = params.with_updates(
+                max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens), n=1
+            )
+        child = SequenceState(
+            request=request,
+            params=params,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, tokens, skip_special_tokens=params.skip_special_tokens
+            ),
+            group_id=parent.group_id,
+            parent_id=parent_id,
+            depth=parent.depth + 1,
+        )
+        child.start_segment(params, self.device)
+        if params.seed is not None:
+            seed = params.seed + _CHILD_SEED_STRIDE * (index + 1) + parent.depth
+            child.generator = make_generator(seed, self.device)
+        parent.children.append(child_id)
+        parent.all_children.append(child_id)
+        self._seqs[child_id] = child
+        self._groups[parent.group_id].append(child_id)
+        self.scheduler.add_request(request)
+        return child_id
+
+    def unblock(self, seq_id: str, token_ids: list[int] | None) -> None:
+        """Append a blocked sequence's result (they are all it prefills) and let it go on.
+
+        Never past the context limit: a longer result is cut, and the sequence stops."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.request.is_finished:
+            return
+        if token_ids:
+            room = self.max_model_len - seq.request.num_tokens
+            self.append(seq, token_ids[:room], produced=True)
+        seq.blocked = False
+        self.scheduler.wake(seq.request)
+        if seq.request.num_tokens >= self.max_model_len and seq.generating:
+            seq.end_segment("length")
+            self.end_segment(seq, RequestStatus.FINISHED_LENGTH)
+            self.changed_groups.add(seq.group_id)
+
+    def end_group(self, request_id: str, reason: str, status: RequestStatus) -> None:
+        """Forget a request and every sequence of it; the scheduler frees their blocks."""
+        for seq_id in self._groups.pop(request_id, []):
+            self._seqs.pop(seq_id, None)
+            if seq_id in self.scheduler.requests:
+                self.scheduler.finish(seq_id, status)
+        self.changed_groups.discard(request_id)
+        self._ended[request_id] = reason
+        while len(self._ended) > _MAX_REMEMBERED_ENDED:
+            self._ended.popitem(last=False)
