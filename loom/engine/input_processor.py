@@ -1,26 +1,38 @@
-"""`InputProcessor`: prompts and fragments to token ids, validated once for engine and server.
+"""`InputProcessor`: prompts, conversations and fragments to token ids, validated once for
+engine and server.
 
 Every input the engine accepts passes here first: a prompt (text gets BOS, ids are checked),
-a session fragment (text without BOS), and the limits that bound them (vocabulary range,
-context length). `LLMEngine` and `loom serve` call the same checks, so a request is refused
-with the same message whichever door it came through.
+a conversation (messages through the model's chat template, BOS once), a session fragment
+(text without BOS), and the limits that bound them (vocabulary range, context length).
+`LLMEngine` and `loom serve` call the same checks, so a request is refused with the same
+message whichever door it came through.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from loom.errors import InvalidRequestError, PromptTooLongError
-from loom.tokenizer import Tokenizer
+from loom.tokenizer import ChatTemplate, Tokenizer
 
 
 class InputProcessor:
     """Tokenises and validates what callers give the engine."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        chat_template: ChatTemplate | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        # The model's chat template; None: conversations are refused. Settable after
+        # construction (`loom serve` finds it, with its --chat-template override, and sets it).
+        self.chat_template = chat_template
 
     def encode_prompt(
         self, owner: str, prompt: str | Sequence[int]
@@ -32,11 +44,27 @@ class InputProcessor:
             text: str | None = prompt
         else:
             ids, text = [int(t) for t in prompt], None
-        if not ids:
-            raise InvalidRequestError(f"request {owner!r}: the prompt is empty")
-        self.check_length(owner, len(ids))
-        self.check_token_ids(owner, ids)
+        self._check_prompt(owner, ids)
         return text, ids
+
+    def encode_chat(
+        self, owner: str, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """A conversation's prompt ids through the chat template, checked as a prompt is.
+        InvalidRequestError without a template; ChatTemplateError for messages it refuses."""
+        ids = self.render_chat(owner, messages, add_generation_prompt)
+        self._check_prompt(owner, ids)
+        return ids
+
+    def render_chat(
+        self, owner: str, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """`encode_chat` without the checks (a caller that bounds the length itself, as the
+        server does with max_tokens, checks the rest later): BOS once, never EOS."""
+        template = self.chat_template
+        if template is None:
+            raise InvalidRequestError(f"request {owner!r}: the model has no chat template")
+        return template.render_ids(self.tokenizer, messages, add_generation_prompt)
 
     def encode_fragment(self, owner: str, fragment: str | Sequence[int]) -> list[int]:
         """A session fragment's token ids: text tokenised on its own (no BOS), ids checked;
@@ -51,6 +79,13 @@ class InputProcessor:
             raise InvalidRequestError(f"session {owner!r}: the fragment has no tokens")
         self.check_token_ids(owner, ids)
         return ids
+
+    def _check_prompt(self, owner: str, ids: Sequence[int]) -> None:
+        """A prompt's ids: not empty, within the context limit, in the vocabulary."""
+        if not ids:
+            raise InvalidRequestError(f"request {owner!r}: the prompt is empty")
+        self.check_length(owner, len(ids))
+        self.check_token_ids(owner, ids)
 
     def check_token_ids(self, owner: str, ids: Sequence[int]) -> None:
         """Every id must be in the vocabulary."""

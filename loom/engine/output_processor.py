@@ -52,7 +52,10 @@ class OutputProcessor:
             outputs = [s.completion() for s in roots]
         else:
             outputs = [s.completion() for s in roots]
-        with_children = finished or kind is RequestOutputKind.CUMULATIVE
+        # Children go with a request's (or a session segment's) last output, and with every
+        # cumulative one.
+        segment_end = all(o.finish_reason is not None for o in outputs)
+        with_children = finished or segment_end or kind is RequestOutputKind.CUMULATIVE
         return RequestOutput(
             request_id=request_id,
             prompt=roots[0].prompt,
@@ -82,14 +85,15 @@ class OutputProcessor:
 
 
 def _delta(seq: SequenceState, force: bool) -> CompletionOutput | None:
-    """The sequence's delta, or None when it has nothing new (and `force` is off)."""
+    """The sequence's delta, or None when it has nothing new (and `force` is off). A finish
+    reason is reported once, in the delta of the step the segment ended (or the next one)."""
     new_finish = seq.finish_reason is not None and not seq.finish_reported
     if not (force or new_finish or seq.delta_token_ids or seq.delta_text):
         return None
     out = seq.take_delta()
     if new_finish:
         seq.finish_reported = True
-    elif not force:
+    else:
         out.finish_reason = out.stop_reason = None
     return out
 

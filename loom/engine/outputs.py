@@ -59,6 +59,7 @@ class OutputAccumulator:
         self._texts: dict[int, list[str]] = {}
         self._logprobs: dict[int, list[PositionLogprobs] | None] = {}
         self._final: dict[int, CompletionOutput] = {}
+        self._finish: dict[int, tuple[str, int | str | None]] = {}
 
     def add(self, delta: RequestOutput) -> None:
         """Take the next output of the request."""
@@ -74,6 +75,8 @@ class OutputAccumulator:
                     gathered = self._logprobs[c.index] = []
                 gathered.extend(c.logprobs)
             self._final[c.index] = c
+            if c.finish_reason is not None:  # a delta reports a finish once
+                self._finish[c.index] = (c.finish_reason, c.stop_reason)
 
     @property
     def has_output(self) -> bool:
@@ -93,14 +96,15 @@ class OutputAccumulator:
         outputs = []
         for index in sorted(self._final):
             final = self._final[index]
+            finish_reason, stop_reason = self._finish.get(index, (None, None))
             outputs.append(CompletionOutput(
                 index=index,
                 text="".join(self._texts[index]),
                 token_ids=list(self._tokens[index]),
                 cumulative_logprob=final.cumulative_logprob,
                 logprobs=self._logprobs.get(index),
-                finish_reason=final.finish_reason,
-                stop_reason=final.stop_reason,
+                finish_reason=finish_reason,
+                stop_reason=stop_reason,
             ))
         return RequestOutput(
             request_id=last.request_id,

@@ -14,20 +14,22 @@ from loom.server import openai_routes, session_routes
 from loom.server.errors import install_error_handlers
 from loom.server.limits import BodySizeLimit, JSONBodies
 from loom.server.state import ServerConfig, ServerState
+from loom.tokenizer import ChatTemplate
 
 
 def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     """The HTTP API: OpenAI's endpoints, sessions, health, version and metrics."""
-    from loom.server.chat_template import ChatTemplate
     from loom.server.metrics import ServerMetrics
 
     engine_config = engine.config
+    # One template for the engine and every route: the server renders through the engine's
+    # input processor, which holds it (state.chat_template reads it there).
+    engine.inputs.chat_template = ChatTemplate.from_model(
+        engine_config.model_path, engine_config.tokenizer_path, config.chat_template
+    )
     state = ServerState(
         engine=engine,
         config=config,
-        chat_template=ChatTemplate.from_model(
-            engine_config.model_path, engine_config.tokenizer_path, config.chat_template
-        ),
         metrics=ServerMetrics(engine.engine, config.served_model_name),
     )
     app = FastAPI(

@@ -16,6 +16,7 @@ from loom.engine.outputs import RequestOutput
 from loom.sampling_params import RequestOutputKind, SamplingParams
 from loom.server.errors import APIError
 from loom.server.limits import check_api_key
+from loom.tokenizer import ChatTemplate
 
 T = TypeVar("T")
 
@@ -39,7 +40,6 @@ class ServerState:
 
     engine: AsyncLLMEngine
     config: ServerConfig
-    chat_template: Any = None  # loom.server.chat_template.ChatTemplate, or None
     metrics: Any = None  # loom.server.metrics.ServerMetrics
     session_owners: dict[str, str] = field(default_factory=dict)
     # Sessions whose creation is under way: they count against their key's quota already,
@@ -50,6 +50,11 @@ class ServerState:
     def tokenizer(self) -> Any:
         """The engine's tokenizer."""
         return self.engine.tokenizer
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        """The model's chat template, or None: the engine's input processor holds it."""
+        return self.engine.inputs.chat_template
 
     @property
     def max_model_len(self) -> int:
@@ -116,9 +121,10 @@ class ServerState:
             raise APIError(400, f"model {self.config.served_model_name!r} has no chat template; "
                                 "start the server with --chat-template FILE", param="messages",
                            code="no_chat_template")
-        return self.chat_template.render_ids(
-            self.tokenizer, [m.as_template_input() for m in messages],
-            add_generation_prompt=add_generation_prompt,
+        # Rendered as the engine renders; the context limit is checked with max_tokens (a 400
+        # naming it, state.max_tokens) and the vocabulary when the engine adds the request.
+        return self.engine.inputs.render_chat(
+            "messages", [m.as_template_input() for m in messages], add_generation_prompt
         )
 
     # ---- running requests ---------------------------------------------------------------

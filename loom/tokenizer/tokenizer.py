@@ -5,11 +5,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
-
-from loom.errors import InvalidRequestError
 
 
 @dataclass(frozen=True)
@@ -142,30 +139,6 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """Id of a vocabulary string, or None."""
         return self._backend.token_to_id(token)
-
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        **kwargs: Any,
-    ) -> str:
-        """Render `messages` with the model's chat template (BOS text included if it writes it)."""
-        template = self._config.chat_template
-        if template is None:
-            raise InvalidRequestError("this model's tokenizer has no chat template")
-        from loom.tokenizer.chat_template import render_chat_template
-
-        def token(i: int | None) -> str:
-            return (self._backend.id_to_token(i) or "") if i is not None else ""
-
-        return render_chat_template(
-            template,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=token(self._config.bos_token_id),
-            eos_token=token(self._config.eos_token_id),
-            **kwargs,
-        )
 
     def __repr__(self) -> str:
         cfg = self._config

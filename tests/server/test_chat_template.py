@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from tiny_reference import build_tiny_tokenizer
 
-from loom.server.chat_template import ChatTemplate, ChatTemplateError
-from loom.tokenizer import Tokenizer, load_tokenizer
+from loom.engine.input_processor import InputProcessor
+from loom.errors import InvalidRequestError, PromptTooLongError
+from loom.tokenizer import ChatTemplate, ChatTemplateError, Tokenizer, load_tokenizer
 
 CONVERSATION = [
     {"role": "system", "content": "You are a terse assistant."},
@@ -238,3 +239,32 @@ def test_render_ids_no_bos_when_tokenizer_adds_none(tmp_path: Path) -> None:
     template = ChatTemplate(SIMPLE.removeprefix("{{ bos_token }}"), bos_token="<bos>")
     ids = template.render_ids(tok, [{"role": "user", "content": "hi"}])
     assert tok.bos_token_id not in ids
+
+
+# ---------------------------------------------------------------- the engine's input processor
+
+
+def test_input_processor_encodes_chat_as_the_server_does(tmp_path: Path) -> None:
+    """`InputProcessor.encode_chat`: the same ids as `render_ids`, checked as a prompt."""
+    build_tiny_tokenizer(tmp_path / "m")
+    tok = load_tokenizer(tmp_path / "m")
+    messages = [{"role": "user", "content": "Once upon a time"}]
+    inputs = InputProcessor(tok, tok.vocab_size, max_model_len=256)
+    with pytest.raises(InvalidRequestError, match="no chat template"):
+        inputs.encode_chat("r", messages)
+    template = ChatTemplate(SIMPLE, bos_token="<bos>", eos_token="<eos>")
+    inputs.chat_template = template
+    ids = template.render_ids(tok, messages)
+    assert inputs.encode_chat("r", messages) == ids == inputs.render_chat("r", messages)
+    assert inputs.encode_chat("r", messages, add_generation_prompt=False) == (
+        template.render_ids(tok, messages, add_generation_prompt=False)
+    )
+    with pytest.raises(ChatTemplateError, match="has role 'robot'"):
+        inputs.encode_chat("r", [{"role": "robot", "content": "x"}])
+    short = InputProcessor(tok, tok.vocab_size, max_model_len=len(ids) - 1, chat_template=template)
+    with pytest.raises(PromptTooLongError, match="max_model_len"):
+        short.encode_chat("r", messages)
+    assert short.render_chat("r", messages) == ids  # unchecked: the server bounds it later
+    narrow = InputProcessor(tok, max(ids), max_model_len=256, chat_template=template)
+    with pytest.raises(InvalidRequestError, match="token ids must be in"):
+        narrow.encode_chat("r", messages)

@@ -14,7 +14,7 @@ from server.conftest import run_server
 
 from loom import LLM, SamplingParams
 from loom.engine.config import EngineArgs
-from loom.server.chat_template import ChatTemplate
+from loom.tokenizer import ChatTemplate
 
 openai = pytest.importorskip("openai")
 

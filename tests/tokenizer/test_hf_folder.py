@@ -10,8 +10,13 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from loom.errors import InvalidRequestError, ModelNotFoundError
-from loom.tokenizer import IncrementalDetokenizer, default_cache_dir, load_tokenizer
+from loom.errors import ModelNotFoundError
+from loom.tokenizer import (
+    ChatTemplate,
+    IncrementalDetokenizer,
+    default_cache_dir,
+    load_tokenizer,
+)
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog. 1234567890",
@@ -116,13 +121,16 @@ def test_add_bos_detected_from_post_processor(tmp_path: Path) -> None:
 
 
 def test_chat_template(folder: Path) -> None:
-    tok = load_tokenizer(folder)
+    template = ChatTemplate.from_model(folder, folder)
+    assert template is not None and template.template == _TEMPLATE
     messages = [{"role": "user", "content": "hi"}]
-    assert tok.apply_chat_template(messages) == "<s>[user] hi\n[assistant] "
-    assert tok.apply_chat_template(messages, add_generation_prompt=False) == "<s>[user] hi\n"
-    plain = load_tokenizer(_build(folder.parent / "plain", None))
-    with pytest.raises(InvalidRequestError):
-        plain.apply_chat_template(messages)
+    assert template.render(messages) == "<s>[user] hi\n[assistant] "
+    assert template.render(messages, add_generation_prompt=False) == "<s>[user] hi\n"
+    tok = load_tokenizer(folder)  # the template writes BOS: the ids carry it once
+    ids = template.render_ids(tok, messages)
+    assert ids == [2, *tok.encode("[user] hi\n[assistant] ", add_special_tokens=False)]
+    plain = _build(folder.parent / "plain", None)
+    assert ChatTemplate.from_model(plain, plain) is None
 
 
 def test_missing_paths(tmp_path: Path) -> None:
