@@ -46,13 +46,13 @@ def run_loom(engine: Any, uncached: Any, args: Any, streams: list[list[int]],
         for sid, stream in zip(sids, streams, strict=True):
             have = len(engine.get_session(sid).token_ids)
             if have < n_ctx:
-                engine.prefill(sid, stream[have:n_ctx])
+                engine.append(sid, stream[have:n_ctx])
         c.settle(engine)
         live = []
         for sid in sids:
             for _ in range(args.repeats):
                 start = c.now()
-                engine.prefill(sid, append)
+                engine.append(sid, append)
                 c.settle(engine)
                 live.append((c.now() - start) * 1e3)
                 engine.rewind(sid, len(append))

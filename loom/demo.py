@@ -89,7 +89,7 @@ def run_madlibs(engine: LLMEngine) -> list[AppendTiming]:
             break
         context = len(after.token_ids)
         start = time.perf_counter()
-        num = engine.prefill("story", fragment)
+        num = engine.append("story", fragment)
         _settle(engine)
         live = time.perf_counter() - start
         print(_paint(fragment, "36"), end="", flush=True)

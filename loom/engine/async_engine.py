@@ -195,15 +195,15 @@ class AsyncLLMEngine:
         self._ensure_loop()
         return await fut
 
-    async def prefill(
+    async def append(
         self,
         request_id: str,
         fragment: str | Sequence[int],
         sampling_params: SamplingParams | None = None,
         **kwargs: Any,
     ) -> int:
-        """Append a fragment to a session (see `LLMEngine.prefill`)."""
-        fn = self.engine.prefill if sampling_params is None else self._drained(self.engine.prefill)
+        """Append a fragment to a session (see `LLMEngine.append`)."""
+        fn = self.engine.append if sampling_params is None else self._drained(self.engine.append)
         return await self._call(fn, request_id, fragment, sampling_params, **kwargs)
 
     async def resume(self, request_id: str, sampling_params: SamplingParams) -> None:
@@ -235,11 +235,11 @@ class AsyncLLMEngine:
             if fragment is None:
                 params = params_for(len(view.token_ids))
             elif not heal:
-                # Tokenised here once, as prefill would (no BOS), to know the new length.
+                # Tokenised here once, as append would (no BOS), to know the new length.
                 appended = self.engine.inputs.encode_fragment(request_id, fragment)
                 params = params_for(len(view.token_ids) + len(appended))
             if appended is not None:
-                self.engine.prefill(request_id, appended, heal=heal)
+                self.engine.append(request_id, appended, heal=heal)
                 view = self.engine.get_session(request_id)
             if params is None:
                 params = params_for(len(view.token_ids))
@@ -371,7 +371,7 @@ class Session:
 
     async def append(self, fragment: str | Sequence[int], **kwargs: Any) -> int:
         """Append a fragment (computed by the next steps); returns its token count."""
-        return await self.engine.prefill(self.request_id, fragment, **kwargs)
+        return await self.engine.append(self.request_id, fragment, **kwargs)
 
     async def generate(self, sampling_params: SamplingParams) -> SegmentOutput:
         """Generate one segment and wait for it to end: exactly the tokens it produced."""

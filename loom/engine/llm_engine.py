@@ -89,7 +89,7 @@ class LLMEngine:
         """Queue a request (or open a session with `session=True`).
 
         A session opened without `sampling_params` only computes its prompt and pauses with
-        the last logits stored; `resume` or `prefill(..., sampling_params)` starts generating.
+        the last logits stored; `resume` or `append(..., sampling_params)` starts generating.
         `ttl_s` overrides the engine's `session_ttl_s` for this session.
         """
         params = sampling_params or SamplingParams()
@@ -182,7 +182,7 @@ class LLMEngine:
 
     # ---- sessions ----------------------------------------------------------------------
 
-    def prefill(
+    def append(
         self,
         request_id: str,
         fragment: str | Sequence[int],
@@ -190,8 +190,8 @@ class LLMEngine:
         *,
         heal: bool = False,
     ) -> int:
-        """Append a fragment to a session (see `SessionManager.prefill`); returns its length."""
-        return self.sessions.prefill(request_id, fragment, sampling_params, heal=heal)
+        """Append a fragment to a session (see `SessionManager.append`); returns its length."""
+        return self.sessions.append(request_id, fragment, sampling_params, heal=heal)
 
     def resume(self, request_id: str, sampling_params: SamplingParams) -> None:
         """Start a generation segment on a paused session (see `SessionManager.resume`)."""

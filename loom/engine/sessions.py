@@ -28,7 +28,7 @@ from loom.errors import (
 from loom.sample import make_generator, sample_from_logits
 from loom.sampling_params import SamplingParams
 
-# Tokens re-tokenised together with a fragment by `prefill(..., heal=True)`.
+# Tokens re-tokenised together with a fragment by `append(..., heal=True)`.
 HEAL_WINDOW_TOKENS = 6
 
 
@@ -77,7 +77,7 @@ class SessionManager:
     def _session(self, request_id: str) -> SequenceState:
         return self.table.session(request_id)
 
-    def prefill(
+    def append(
         self,
         request_id: str,
         fragment: str | Sequence[int],

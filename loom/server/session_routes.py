@@ -171,7 +171,7 @@ async def append(session_id: str, body: SessionAppendRequest, request: Request,
         # it; the step that computes the fragment samples the first token. A session that is
         # generating is refused (409) before the fragment is appended.
         return await _segment(state, session_id, body, request, fragment, heal=body.heal)
-    appended = await state.engine.prefill(session_id, fragment, heal=body.heal)
+    appended = await state.engine.append(session_id, fragment, heal=body.heal)
     view = await state.engine.get_session(session_id)
     return {"id": session_id, "object": "session", "appended_tokens": appended,
             "num_tokens": len(view.token_ids)}

@@ -74,7 +74,7 @@ def test_step_and_stored_logits_through_coroutines(aengine):
         await engine.add_request("s", prompt_ids(9), session=True)
         while (await engine.get_session("s")).status != "PAUSED":
             await engine.step()
-        await engine.prefill("s", prompt_ids(4, 2))
+        await engine.append("s", prompt_ids(4, 2))
         while True:
             view = await engine.get_session("s")
             if view.status == "PAUSED" and view.num_computed_tokens == len(view.token_ids):

@@ -230,9 +230,9 @@ def run_scenario(folder, scenario: Scenario) -> tuple[dict, dict, object]:
                 live.next_fragment += 1
                 if live.next_fragment == len(req.fragments) and req.direct:
                     live.generating = True
-                    engine.prefill(rid, list(fragment), req.params())
+                    engine.append(rid, list(fragment), req.params())
                 else:
-                    engine.prefill(rid, list(fragment))
+                    engine.append(rid, list(fragment))
                 live.busy = True
             else:  # every fragment computed, paused: keep its logits, then generate
                 live.logits = engine.get_logits(rid)

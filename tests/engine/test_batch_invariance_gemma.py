@@ -100,7 +100,7 @@ def _sessions_in_three_fragments(engine, prompts):
     run_to_completion(engine)
     for k in (1, 2):
         for i, ids in enumerate(prompts):
-            engine.prefill(f"s-{i}", ids[cuts[i][k] : cuts[i][k + 1]])
+            engine.append(f"s-{i}", ids[cuts[i][k] : cuts[i][k + 1]])
         run_to_completion(engine)
     for i in range(len(prompts)):
         engine.resume(f"s-{i}", GREEDY)
@@ -180,7 +180,7 @@ def test_gemma_random_mixes_equal_each_prompt_alone(gemma_path, prompts, alone, 
     for k in range(1, max((len(c) - 1 for c in cuts.values()), default=1)):
         for i, c in cuts.items():
             if k + 1 < len(c):
-                engine.prefill(f"r-{i}", prompts[i][c[k] : c[k + 1]])
+                engine.append(f"r-{i}", prompts[i][c[k] : c[k + 1]])
         run_to_completion(engine)
     for i in cuts:
         engine.resume(f"r-{i}", GREEDY)

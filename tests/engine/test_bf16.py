@@ -102,7 +102,7 @@ def test_bf16_alternating_session_equals_fresh_forward(bf16_models, arch):
     for k in range(2):
         run_to_completion(engine)
         _assert_fresh(engine, hf, hf_bf16, "s")
-        engine.prefill("s", prompt_ids(5 + 7 * k, 10 + k))  # chunked: budget is 8
+        engine.append("s", prompt_ids(5 + 7 * k, 10 + k))  # chunked: budget is 8
         run_to_completion(engine)
         _assert_fresh(engine, hf, hf_bf16, "s")
         engine.resume("s", greedy)

@@ -61,7 +61,7 @@ def test_live_session_equals_fresh_forward_on_gemma(engine, gemma_hf):
         temperature=0.0, max_tokens=5), session=True)
     run_to_completion(engine)
     for fragment in [" and his horse was called", ". They rode to the"]:
-        engine.prefill("madlib", fragment)
+        engine.append("madlib", fragment)
         run_to_completion(engine)
         ids = list(engine.get_session("madlib").token_ids)
         with torch.no_grad():
@@ -76,7 +76,7 @@ def test_live_session_equals_fresh_forward_on_gemma(engine, gemma_hf):
 def test_heal_retokenizes_across_the_boundary(engine):
     engine.add_request("h", "Hello wor", session=True)
     run_to_completion(engine)
-    engine.prefill("h", "ld, how are you?", heal=True)
+    engine.append("h", "ld, how are you?", heal=True)
     run_to_completion(engine)
     view = engine.get_session("h")
     assert list(view.token_ids) == engine.tokenizer.encode("Hello world, how are you?")
@@ -177,7 +177,7 @@ def test_speculative_decoding_equals_transformers_and_fresh_forward(gemma_path, 
     assert engine.speculator.num_accepted > 0
     engine.add_request("sess", REPEATING, params, session=True)
     run_to_completion(engine)
-    engine.prefill("sess", " at dusk. The bell")
+    engine.append("sess", " at dusk. The bell")
     run_to_completion(engine)
     engine.resume("sess", SamplingParams(temperature=0.0, max_tokens=12))
     run_to_completion(engine)
@@ -208,7 +208,7 @@ def test_gemma_on_cuda_equals_transformers_and_fresh_forward(gemma_path, gemma_h
     engine.add_request("madlib", "The knight's name was", SamplingParams(
         temperature=0.0, max_tokens=5), session=True)
     run_to_completion(engine)
-    engine.prefill("madlib", " and his horse was called")
+    engine.append("madlib", " and his horse was called")
     run_to_completion(engine)
     ids = list(engine.get_session("madlib").token_ids)
     with torch.no_grad():

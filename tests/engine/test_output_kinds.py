@@ -93,7 +93,7 @@ def test_a_segment_holds_only_what_it_generated_while_a_caller_appends(tiny_mode
     for _ in range(3):
         for out in engine.step():
             gathered.add(out)
-    engine.prefill("s", fragment)  # while generating: the segment continues after it
+    engine.append("s", fragment)  # while generating: the segment continues after it
     for out in run_to_completion_outputs(engine):
         gathered.add(out)
     segment = gathered.result().outputs[0]

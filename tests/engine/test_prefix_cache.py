@@ -85,7 +85,7 @@ def test_session_append_and_resubmission_hit_the_cache(tiny_models):
     engine = make_engine(folder)
     engine.add_request("a", PREFIX[:9], GREEDY, session=True)
     run_to_completion(engine)
-    engine.prefill("a", PREFIX[9:])
+    engine.append("a", PREFIX[9:])
     run_to_completion(engine)
     history = list(engine.get_session("a").token_ids)
     # A second session re-sends the whole history (a chat client does) plus a new turn.
@@ -95,7 +95,7 @@ def test_session_append_and_resubmission_hit_the_cache(tiny_models):
     assert engine.last_scheduler_output.chunks[0].start_pos == (len(history) // 4) * 4
     run_to_completion(engine)
     # ... and the first session appends the same turn: it computes only what it lacks.
-    engine.prefill("a", turn)
+    engine.append("a", turn)
     run_to_completion(engine)
     for rid in ("a", "b"):
         ids = list(engine.get_session(rid).token_ids)
@@ -117,11 +117,11 @@ def test_rewind_into_a_shared_block_leaves_other_holders_unchanged(tiny_models):
     shared = engine.get_session("a").block_ids[:3]
     assert engine.get_session("b").block_ids[:3] == shared
     engine.rewind("a", 5)  # 9 tokens left: the next write lands in shared block 2
-    engine.prefill("a", prompt_ids(6, 60))
+    engine.append("a", prompt_ids(6, 60))
     run_to_completion(engine)
     assert engine.get_session("a").block_ids[2] != shared[2]  # written into a private copy
     assert engine.get_session("b").block_ids[:3] == shared
-    engine.prefill("b", prompt_ids(3, 61))  # b reads its (unchanged) shared blocks
+    engine.append("b", prompt_ids(3, 61))  # b reads its (unchanged) shared blocks
     run_to_completion(engine)
     for rid in ("a", "b"):
         toks = list(engine.get_session(rid).token_ids)
@@ -140,7 +140,7 @@ def test_a_preempted_paused_session_resumes_through_the_cache(tiny_models):
     run_to_completion(engine)  # 16 blocks + 9 held > 24: the idle session was preempted
     assert engine.stats.num_preemptions == 1
     assert engine.get_session("s").num_computed_tokens == 0
-    engine.prefill("s", prompt_ids(3, 71))
+    engine.append("s", prompt_ids(3, 71))
     run_to_completion(engine)
     # "big" evicted the session's tail blocks first; what survived was shared, not recomputed.
     assert 0 < engine.num_recomputed_tokens < len(ids)

@@ -78,7 +78,7 @@ def test_alternating_session_equals_fresh_forward(tiny_models, arch, device):
         if start is not None:
             ranges.append((start, start + 6))
         assert_logits_fresh(engine, hf, "s")
-        engine.prefill("s", prompt_ids(5 + 7 * k, 10 + k))  # chunked: budget is 8
+        engine.append("s", prompt_ids(5 + 7 * k, 10 + k))  # chunked: budget is 8
         step_until_paused(engine, "s", steps)
         assert_logits_fresh(engine, hf, "s")
         before = len(engine.get_session("s").token_ids)
@@ -104,7 +104,7 @@ def test_append_keeps_blocks_and_computes_only_new_tokens(tiny_models):
     settle(engine)
     view = engine.get_session("s")
     computed_blocks = view.block_ids[: (view.num_computed_tokens + 3) // 4]
-    engine.prefill("s", prompt_ids(9, 2))
+    engine.append("s", prompt_ids(9, 2))
     engine.step()
     (chunk,) = engine.last_scheduler_output.chunks
     assert chunk.start_pos == view.num_computed_tokens and len(chunk.token_ids) == 9
@@ -124,7 +124,7 @@ def test_prefill_in_the_middle_of_a_segment_continues_generation(tiny_models):
     engine.step()
     engine.step()
     n_before = len(engine.get_session("s").token_ids)
-    engine.prefill("s", prompt_ids(4, 9))
+    engine.append("s", prompt_ids(4, 9))
     out = settle(engine)["s"]
     ids = list(engine.get_session("s").token_ids)
     # 3 generated before the fragment (the third one pending), the rest after it.
@@ -144,7 +144,7 @@ def test_rewind_then_continue_equals_fresh(tiny_models):
     assert len(engine.get_session("s").token_ids) == 13 + 6 - 9
     assert engine.num_free_blocks >= blocks_before + 1
     assert_logits_fresh(engine, hf, "s")
-    engine.prefill("s", prompt_ids(3, 4), SamplingParams(temperature=0.0, max_tokens=3,
+    engine.append("s", prompt_ids(3, 4), SamplingParams(temperature=0.0, max_tokens=3,
                                                          ignore_eos=True))
     settle(engine)
     ids = list(engine.get_session("s").token_ids)
@@ -197,7 +197,7 @@ def test_session_errors_are_clear_and_leave_state_unchanged(tiny_models):
     folder, _ = tiny_models["llama"]
     engine = make_engine(folder, max_model_len=40)
     with pytest.raises(UnknownRequestError, match="ghost"):
-        engine.prefill("ghost", "hi")
+        engine.append("ghost", "hi")
     engine.add_request("s", prompt_ids(10), SamplingParams(max_tokens=30, ignore_eos=True),
                        session=True)
     with pytest.raises(InvalidSessionStateError, match="no stored logits"):
@@ -208,9 +208,9 @@ def test_session_errors_are_clear_and_leave_state_unchanged(tiny_models):
     settle(engine)
     view = engine.get_session("s")
     with pytest.raises(InvalidRequestError, match="empty"):
-        engine.prefill("s", "")
+        engine.append("s", "")
     with pytest.raises(PromptTooLongError, match="max_model_len=40"):
-        engine.prefill("s", prompt_ids(30))
+        engine.append("s", prompt_ids(30))
     assert engine.get_session("s") == view
     with pytest.raises(PromptTooLongError, match="max_model_len=40"):
         engine.resume("s", GREEDY)  # the session is at the limit: 10 + 30 tokens
@@ -218,10 +218,10 @@ def test_session_errors_are_clear_and_leave_state_unchanged(tiny_models):
         engine.rewind("s", 0)
     engine.add_request("plain", prompt_ids(4), GREEDY)
     with pytest.raises(InvalidSessionStateError, match="not a session"):
-        engine.prefill("plain", [5])
+        engine.append("plain", [5])
     engine.close("s")
     with pytest.raises(SessionClosedError, match="closed"):
-        engine.prefill("s", "more")
+        engine.append("s", "more")
     settle(engine)
     assert engine.kv_pool_all_free
 
@@ -262,7 +262,7 @@ def test_float16_kv_cache_session_equals_fresh_forward(tiny_models):
     assert engine.runner.kv_caches[0].dtype == torch.float16
     engine.add_request("s", prompt_ids(11), GREEDY, session=True)
     settle(engine)
-    engine.prefill("s", prompt_ids(9, 10))
+    engine.append("s", prompt_ids(9, 10))
     settle(engine)
     engine.resume("s", GREEDY)
     settle(engine)

@@ -101,7 +101,7 @@ def test_stateful_sessions(tiny_qwen):
             rid = data.draw(st.sampled_from(self.sessions))
             before = self.engine.get_session(rid)
             try:
-                self.engine.prefill(rid, fragment, params)
+                self.engine.append(rid, fragment, params)
             except PromptTooLongError:
                 assert self.engine.get_session(rid) == before
             else:

@@ -172,7 +172,7 @@ def test_session_with_drafts_equals_fresh_forward(tiny_models):
     engine.add_request("s", PROMPTS[0], params, session=True)
     run_to_completion(engine)
     for fragment in (repeating(6, 5), repeating(10, 3, 1)):
-        engine.prefill("s", fragment)
+        engine.append("s", fragment)
         run_to_completion(engine)
         engine.resume("s", params)
         run_to_completion(engine)

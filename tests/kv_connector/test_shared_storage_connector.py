@@ -87,7 +87,7 @@ def test_a_session_on_loaded_kv_alternates_prefill_and_generation(tiny_models, t
     stored = session_logits(engine, "s", IDS)
     torch.testing.assert_close(stored, hf_last_logits(hf, IDS), atol=ATOL, rtol=0)
     fragment = prompt_ids(7, 90)
-    engine.prefill("s", fragment)
+    engine.append("s", fragment)
     run_to_completion(engine)
     ids = IDS + fragment
     torch.testing.assert_close(engine.get_logits("s"), hf_last_logits(hf, ids), atol=ATOL, rtol=0)
@@ -121,7 +121,7 @@ def test_a_producer_saves_each_block_once_and_appended_fragments_too(tiny_models
     assert engine.stats.kv_saved_blocks == 11  # the store had them all
     engine.add_request("s", IDS[:10], session=True)
     run_to_completion(engine)
-    engine.prefill("s", IDS[10:] + prompt_ids(9, 5))
+    engine.append("s", IDS[10:] + prompt_ids(9, 5))
     run_to_completion(engine)
     assert engine.stats.kv_saved_blocks == 13  # two more full blocks after the prompt's
     engine.close("s")

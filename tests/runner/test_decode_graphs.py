@@ -119,7 +119,7 @@ def test_graph_session_equals_fresh_forward(tiny_models):
         view = engine.get_session("s")
         torch.testing.assert_close(engine.get_logits("s").cpu(),
                                    hf_last_logits(hf, list(view.token_ids)), atol=1e-4, rtol=0)
-        engine.prefill("s", prompt_ids(6 + k, 20 + k))
+        engine.append("s", prompt_ids(6 + k, 20 + k))
         while engine.get_session("s").status != "PAUSED":
             engine.step()
         engine.resume("s", GREEDY)

@@ -172,7 +172,7 @@ def test_a_madlibs_session_over_http_equals_the_engine(tiny, tiny_models):
     engine.resume("s", SamplingParams(**greedy))
     run_to_completion(engine)
     for fragment in story[1:]:
-        engine.prefill("s", fragment, SamplingParams(**greedy))
+        engine.append("s", fragment, SamplingParams(**greedy))
         run_to_completion(engine)
     view = engine.get_session("s")
     assert http_view["token_ids"] == list(view.token_ids) and http_view["text"] == view.text
