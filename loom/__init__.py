@@ -1,7 +1,7 @@
 """Loom: an LLM inference engine whose requests are live sessions."""
 
 from loom.errors import LoomError
-from loom.sampling_params import RequestOutputKind, SamplingParams
+from loom.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
@@ -14,6 +14,7 @@ __all__ = [
     "RequestOutputKind",
     "SamplingParams",
     "SpecialKwargs",
+    "StructuredOutputsParams",
 ]
 __version__ = "0.1.0"
 

@@ -23,6 +23,54 @@ class RequestOutputKind(Enum):
     FINAL_ONLY = 2
 
 
+@dataclass(frozen=True, eq=False)
+class StructuredOutputsParams:
+    """Constrain a generation to a language (vLLM's `structured_outputs`); exactly one of:
+
+    `json`: a JSON schema (a dict or its JSON text); `json_object`: any JSON object;
+    `regex`: a regular expression the whole output matches; `grammar`: a Lark grammar
+    (llguidance's dialect: `start: ...`); `choice`: one of these strings.
+    `whitespace_flexible`: JSON may carry whitespace between tokens (off: compact JSON, which
+    small models cannot pad forever)."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+    whitespace_flexible: bool = False
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StructuredOutputsParams) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __post_init__(self) -> None:
+        given = [name for name, value in (("json", self.json), ("regex", self.regex),
+                                          ("grammar", self.grammar), ("choice", self.choice))
+                 if value is not None] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise InvalidSamplingParamsError(
+                "invalid sampling parameter structured_outputs: give exactly one of json, "
+                f"json_object, regex, grammar, choice (got {', '.join(given) or 'none'})")
+        if self.choice is not None and (
+                not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidSamplingParamsError(
+                "invalid sampling parameter structured_outputs.choice: must be a non-empty "
+                "list of non-empty strings")
+
+    @property
+    def key(self) -> str:
+        """A text that names the constraint (equal constraints, equal keys)."""
+        import json as _json
+
+        return _json.dumps({"json": self.json, "json_object": self.json_object,
+                            "regex": self.regex, "grammar": self.grammar,
+                            "choice": self.choice, "ws": self.whitespace_flexible},
+                           sort_keys=True, default=str)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling and stopping parameters of one request, validated on construction.
@@ -54,6 +102,9 @@ class SamplingParams:
     # is new since the previous output, or one output when the request (or a session's
     # segment) finishes.
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Constrain the output to a JSON schema, a regex, a grammar or a choice (see
+    # StructuredOutputsParams); the engine masks every token the constraint forbids.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -97,6 +148,9 @@ class SamplingParams:
             not isinstance(t, int) or t < 0 for t in self.stop_token_ids
         ):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.structured_outputs is not None and not isinstance(
+                self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", "must be a RequestOutputKind")
         if self.seed is not None and (

@@ -29,6 +29,7 @@ from loom.engine.outputs import RequestOutput
 from loom.engine.sequence import SequenceState
 from loom.engine.sequence_table import SequenceTable
 from loom.engine.speculation import Speculator
+from loom.engine.structured_output import StructuredOutputs
 from loom.engine.token_appender import TokenAppender
 from loom.runner import ModelOutput, ModelRunner
 from loom.spec_decode import SpeculativeConfig
@@ -53,11 +54,12 @@ class EngineCore:
         eos_token_ids: set[int],
         hooks: list[SequenceHook],
         speculative: SpeculativeConfig | None = None,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.num_kv_blocks = num_kv_blocks
-        self.table = SequenceTable(scheduler, tokenizer, device, max_model_len)
+        self.table = SequenceTable(scheduler, tokenizer, device, max_model_len, structured)
         self.hook_context = HookContext(self.table)
         self.speculator = Speculator(speculative) if speculative else None
         self.appender = TokenAppender(

@@ -3,7 +3,8 @@ engine and server.
 
 Every input the engine accepts passes here first: a prompt (text gets BOS, ids are checked),
 a conversation (messages through the model's chat template, BOS once), a session fragment
-(text without BOS), and the limits that bound them (vocabulary range, context length).
+(text without BOS), the limits that bound them (vocabulary range, context length), and a
+structured-output constraint (it must compile).
 `LLMEngine` and `loom serve` call the same checks, so a request is refused with the same
 message whichever door it came through.
 """
@@ -13,7 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from loom.engine.structured_output import StructuredOutputs
 from loom.errors import InvalidRequestError, PromptTooLongError
+from loom.sampling_params import SamplingParams
 from loom.tokenizer import ChatTemplate, Tokenizer
 
 
@@ -26,8 +29,10 @@ class InputProcessor:
         vocab_size: int,
         max_model_len: int,
         chat_template: ChatTemplate | None = None,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.structured = structured
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         # The model's chat template; None: conversations are refused. Settable after
@@ -86,6 +91,14 @@ class InputProcessor:
             raise InvalidRequestError(f"request {owner!r}: the prompt is empty")
         self.check_length(owner, len(ids))
         self.check_token_ids(owner, ids)
+
+    def check_params(self, owner: str, params: SamplingParams) -> None:
+        """What `SamplingParams` cannot check alone: a structured-output constraint must
+        compile (an invalid schema, regex or grammar is refused before anything is queued)."""
+        if params.structured_outputs is not None:
+            if self.structured is None:
+                raise InvalidRequestError(f"request {owner!r}: structured output is off")
+            self.structured.compile(owner, params.structured_outputs)
 
     def check_token_ids(self, owner: str, ids: Sequence[int]) -> None:
         """Every id must be in the vocabulary."""

@@ -26,6 +26,7 @@ from loom.engine.resolve import build_engine_parts
 from loom.engine.sessions import Sample, SessionManager, SessionView
 from loom.engine.speculation import Speculator
 from loom.engine.stats import EngineStats
+from loom.engine.structured_output import StructuredOutputs
 from loom.errors import DuplicateRequestError, InvalidRequestError
 from loom.kv_connector import KVConnectorRole, create_connector
 from loom.runner.model_runner import ModelRunner
@@ -56,12 +57,14 @@ class LLMEngine:
             hooks.insert(
                 0, PromiseSyncHook.from_kwargs(config.special_kwargs, tokenizer.token_to_id)
             )
-        self.inputs = InputProcessor(tokenizer, config.vocab_size, config.max_model_len)
+        self.structured = StructuredOutputs(tokenizer, config.vocab_size)
+        self.inputs = InputProcessor(tokenizer, config.vocab_size, config.max_model_len,
+                                     structured=self.structured)
         self.core = EngineCore(
             self.scheduler, runner, tokenizer,
             device=config.device, max_model_len=config.max_model_len,
             num_kv_blocks=config.num_kv_blocks, eos_token_ids=self.eos_token_ids,
-            hooks=hooks, speculative=config.speculative,
+            hooks=hooks, speculative=config.speculative, structured=self.structured,
         )
         self.table = self.core.table
         self.sessions = SessionManager(
@@ -100,6 +103,7 @@ class LLMEngine:
         if self.table.is_live(request_id):
             raise DuplicateRequestError(f"request id {request_id!r} is already in use")
         prompt_text, prompt_ids = self.inputs.encode_prompt(request_id, prompt)
+        self.inputs.check_params(request_id, params)
         self.table.add_group(request_id, prompt_text, prompt_ids, params, session=session,
                              pin=pin, ttl_s=ttl_s)
         if session and sampling_params is None:

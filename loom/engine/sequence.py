@@ -23,6 +23,7 @@ import torch
 
 from loom.core.request import Request
 from loom.engine.outputs import CompletionOutput, PositionLogprobs
+from loom.engine.structured_output import GrammarMatcher
 from loom.sample import make_generator
 from loom.sampling_params import RequestOutputKind, SamplingParams
 from loom.tokenizer import IncrementalDetokenizer, StopStringChecker
@@ -78,6 +79,8 @@ class SequenceState:
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[PositionLogprobs] = field(default_factory=list)
     delta_text: str = ""
+    # The structured-output matcher of the current constraint (None: unconstrained).
+    grammar: GrammarMatcher | None = None
     # The original prompt's tokens, copied once (outputs refer to this list, never copy it).
     prompt_ids: list[int] = field(default_factory=list)
 

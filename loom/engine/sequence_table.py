@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from loom.core.request import Request, RequestStatus
 from loom.core.scheduler import Scheduler
 from loom.engine.sequence import SequenceState
+from loom.engine.structured_output import GrammarMatcher, StructuredOutputs
 from loom.errors import (
     DuplicateRequestError,
     InvalidSessionStateError,
@@ -39,9 +40,15 @@ class SequenceTable:
     """Owns the engine's sequences and groups; sessions and request trees act through it."""
 
     def __init__(
-        self, scheduler: Scheduler, tokenizer: Tokenizer, device: str, max_model_len: int
+        self,
+        scheduler: Scheduler,
+        tokenizer: Tokenizer,
+        device: str,
+        max_model_len: int,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.structured = structured
         self.tokenizer = tokenizer
         self.device = device
         self.max_model_len = max_model_len
@@ -149,7 +156,7 @@ class SequenceTable:
                 ttl_s=ttl_s,
                 prompt_ids=shared_prompt,
             )
-            seq.start_segment(params, self.device)
+            self.start_segment(seq, params)
             self._seqs[seq_id] = seq
             self.scheduler.add_request(request)
         self._groups[request_id] = seq_ids
@@ -162,6 +169,20 @@ class SequenceTable:
             seq.generating = False
             return
         seq.start_segment(params, self.device)
+        seq.grammar = self._grammar_for(seq, params)
+
+    def _grammar_for(self, seq: SequenceState, params: SamplingParams) -> GrammarMatcher | None:
+        """The segment's matcher: none when unconstrained; the sequence's own when it follows
+        the same constraint and its document is not complete (a segment cut by max_tokens,
+        or after a rewind, goes on with it); else a fresh one."""
+        constraint = params.structured_outputs
+        if constraint is None or self.structured is None:
+            return None
+        current = seq.grammar
+        if current is not None and current.key == constraint.key and not current.is_finished \
+                and current.error is None:
+            return current
+        return self.structured.matcher(seq.group_id or seq.request_id, constraint)
 
     def end_segment(self, seq: SequenceState, status: RequestStatus) -> None:
         """The segment stopped (its reason is on `seq`): a plain sequence finishes and frees
@@ -200,6 +221,8 @@ class SequenceTable:
         seq.text_cut_chars = 0
         seq.last_logits = None
         seq.clear_delta()
+        if seq.grammar is not None:
+            seq.grammar.cut(num_tokens)
         seq.detokenizer = IncrementalDetokenizer(
             self.tokenizer, seq.prompt_ids, skip_special_tokens=seq.params.skip_special_tokens
         )
@@ -235,6 +258,8 @@ class SequenceTable:
             depth=parent.depth + 1,
         )
         child.start_segment(params, self.device)
+        # The child continues its parent's document from the fork.
+        child.grammar = parent.grammar.copy() if parent.grammar is not None else None
         if params.seed is not None:
             seed = params.seed + _CHILD_SEED_STRIDE * (index + 1) + parent.depth
             child.generator = make_generator(seed, self.device)

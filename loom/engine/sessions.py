@@ -107,6 +107,8 @@ class SessionManager:
         else:
             keep, new_ids = request.num_tokens, self.inputs.encode_fragment(request_id, fragment)
         self.inputs.check_length(request_id, keep + len(new_ids))
+        if sampling_params is not None:
+            self.inputs.check_params(request_id, sampling_params)
         if keep < request.num_tokens:
             self._require_paused(seq, "heal")
             self.table.truncate(seq, keep)
@@ -122,6 +124,7 @@ class SessionManager:
         seq = self._session(request_id)
         self._require_paused(seq, "resume")
         self.inputs.check_length(request_id, seq.request.num_tokens + 1)
+        self.inputs.check_params(request_id, sampling_params)
         self.table.start_segment(seq, sampling_params)
         if seq.last_logits is not None:
             failed = self.appender.sample_and_append([seq], seq.last_logits.unsqueeze(0))

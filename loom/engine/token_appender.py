@@ -89,6 +89,7 @@ class TokenAppender:
                 rows.append(
                     SamplingRow(seq.params, prompt, history, seq.generator, self.eos_token_ids)
                 )
+        logits = self._constrain(seqs, drafts, logits)
         # A drafted sequence's generator draws once per row; rewound to the kept rows below.
         saved = [
             s.generator.get_state() if d and s.generator is not None and not is_greedy(s.params)
@@ -123,6 +124,33 @@ class TokenAppender:
         for group, why in self.take_hook_failures().items():
             failed.setdefault(group, why)
         return failed
+
+    def _constrain(self, seqs: list[SequenceState], drafts: list[list[int]],
+                   logits: torch.Tensor) -> torch.Tensor:
+        """Mask, in a copy, the rows of constrained sequences to what their grammar accepts
+        next. Row i of a drafted sequence follows its first i drafts: they are consumed to
+        compute its mask and rolled back after; rows after a draft the grammar forbids keep
+        no mask (verification never keeps them: the row before cannot sample that draft)."""
+        structured = self.table.structured
+        if structured is None or not any(seq.grammar is not None for seq in seqs):
+            return logits
+        masks = []
+        first_row = 0
+        for seq, draft in zip(seqs, drafts, strict=True):
+            grammar = seq.grammar
+            if grammar is not None:
+                masks.append((first_row, grammar))
+                consumed = 0
+                position = seq.request.num_tokens - len(draft)
+                for i, token in enumerate(draft):
+                    # A refused consume would leave the matcher in an error state: ask first.
+                    if not grammar.accepts(token) or not grammar.consume(token, position + i):
+                        break
+                    consumed += 1
+                    masks.append((first_row + i + 1, grammar.copy()))
+                grammar.rollback(consumed)
+            first_row += len(draft) + 1
+        return structured.apply_masks(logits, masks)
 
     def _pause_failed_segment(
         self, seq: SequenceState, num_drafts: int, logits_row: torch.Tensor
@@ -164,6 +192,8 @@ class TokenAppender:
             request.append_tokens([token_id])
             if seq.is_session:
                 seq.last_logits = logits[first_row + j].clone()
+            # The grammar follows the token before hooks run: a child forked now copies it.
+            grammar_done = self._follow_grammar(seq, token_id, first + j)
             hook_error = None
             try:
                 for hook in self.hooks:
@@ -182,6 +212,9 @@ class TokenAppender:
                 self.table.end_segment(seq, RequestStatus.FINISHED_STOPPED)
                 return j + 1
             status = check_stop(seq, token_id, self.eos_token_ids, self.max_model_len)
+            if status is None and grammar_done:  # the document is complete: nothing may follow
+                seq.end_segment("stop")
+                status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 self.table.end_segment(seq, status)
                 return j + 1
@@ -191,6 +224,19 @@ class TokenAppender:
             if request.is_finished:
                 return j + 1
         return len(tokens)
+
+
+    def _follow_grammar(self, seq: SequenceState, token_id: int, position: int) -> bool:
+        """Advance a constrained sequence's matcher past its new token; True when the
+        grammar is then complete."""
+        grammar = seq.grammar
+        if grammar is None:
+            return False
+        if not grammar.consume(token_id, position):
+            # Cannot happen (the token was sampled under the grammar's mask); if the library
+            # disagrees, the constraint stops here rather than emit more unchecked tokens.
+            return True
+        return grammar.is_finished
 
 
 def _reads_prompt(params: SamplingParams) -> bool:

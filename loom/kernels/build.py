@@ -101,6 +101,7 @@ SIGNATURES: dict[str, list[type]] = {
     "loom_rms_norm": [_ptr, _i64, _i64, _ptr, _f32, _f32, _ptr, _ptr],
     "loom_rope_neox": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr],
     "loom_argmax_logsumexp": [_ptr, _i64, _i64, _ptr, _ptr],
+    "loom_apply_token_bitmask": [_ptr, _i64, _ptr, _i64, _ptr, _i64],
 }
 # Functions that return a value (the others return void).
 RESTYPES: dict[str, type] = {"loom_kernel_variant": ctypes.c_char_p}

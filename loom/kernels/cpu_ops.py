@@ -214,6 +214,16 @@ def rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return out
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor) -> None:
+    """In place: logits[rows[i], j] = -inf where bit j of bits[i] is clear. float32 logits
+    [N, V] (contiguous), int64 rows [n], int32 bits [n, ceil(V / 32)]."""
+    _check(logits, "logits", torch.float32)
+    _check(rows, "rows", torch.int64)
+    _check(bits, "bits", torch.int32)
+    _lib().loom_apply_token_bitmask(logits.data_ptr(), logits.shape[1], rows.data_ptr(),
+                                    rows.numel(), bits.data_ptr(), bits.shape[1])
+
+
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of float32 logits [B, V]: (first argmax [B] int64, logsumexp [B] float32)."""
     _check(logits, "logits", torch.float32)
