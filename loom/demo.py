@@ -1,9 +1,13 @@
-"""`make demo`: a madlibs story told live on the default model, then what live appends save.
+"""`make demo`: a madlibs story told live on the default model, what a live session gives
+that re-submitting the text does not, then the fork/join scene on the instruct model.
 
 The story is one session. Fragments of the template are appended to it while it lives, and
 the model fills each blank with a short generation segment; nothing already computed is
-released or recomputed. Afterwards, every append is timed against re-submitting the whole
-text as a fresh request.
+released or recomputed. Every append is timed against re-submitting the whole text as a
+fresh request with the prefix cache emptied first (with the cache on, the default, a
+re-submission reuses the story's full blocks and costs about what an append does). At the
+last blank, the likeliest first words are read from the session's stored logits, which a
+re-submission would have to compute again.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from loom.demo_fork import MODEL as FORK_JOIN_MODEL
 from loom.demo_fork import fork_join_kwargs, print_tree, run_fork_join
 from loom.engine.config import EngineArgs
 from loom.engine.llm_engine import LLMEngine
@@ -63,7 +68,9 @@ def _settle(engine: LLMEngine) -> None:
 
 
 def _resubmit_cost(engine: LLMEngine, token_ids: list[int], k: int) -> float:
-    """Time to compute the same tokens from scratch as a new request (until its logits)."""
+    """Time to compute the same tokens from scratch as a new request (until its logits), the
+    prefix cache emptied first so that nothing of the story is reused."""
+    engine.reset_prefix_cache()
     start = time.perf_counter()
     engine.add_request(f"resubmit-{k}", token_ids, session=True)
     _settle(engine)
@@ -72,13 +79,29 @@ def _resubmit_cost(engine: LLMEngine, token_ids: list[int], k: int) -> float:
     return elapsed
 
 
-def run_madlibs(engine: LLMEngine) -> list[AppendTiming]:
-    """Tell the story; returns the timing of every live append."""
+@dataclass
+class LikeliestWords:
+    """The likeliest tokens at a blank, read from a session's stored logits, and how long
+    that took."""
+
+    texts: list[str]
+    seconds: float
+
+
+def run_madlibs(engine: LLMEngine) -> tuple[list[AppendTiming], LikeliestWords]:
+    """Tell the story; returns the timing of every live append and the likeliest words at
+    the last blank."""
     timings: list[AppendTiming] = []
+    words = LikeliestWords([], 0.0)
     engine.add_request("story", TEMPLATE[0], session=True)
     _settle(engine)
     print(_paint(PREAMBLE, "2") + TEMPLATE[0][len(PREAMBLE) :], end="", flush=True)
     for k, fragment in enumerate([*TEMPLATE[1:], None]):
+        if fragment is None:  # the last blank: its likeliest words, from the stored logits
+            start = time.perf_counter()
+            top = engine.get_logits("story").topk(3).indices.tolist()
+            words = LikeliestWords([engine.tokenizer.decode([t]) for t in top],
+                                   time.perf_counter() - start)
         before = engine.get_session("story")
         engine.resume("story", FILL)
         _settle(engine)
@@ -97,11 +120,15 @@ def run_madlibs(engine: LLMEngine) -> list[AppendTiming]:
         timings.append(AppendTiming(num, context, live, _resubmit_cost(engine, full, k)))
     print("\n")
     engine.close("story")
-    return timings
+    return timings, words
 
 
-def print_table(timings: list[AppendTiming]) -> None:
-    """The cost of every live append next to re-submitting the whole text."""
+def print_table(timings: list[AppendTiming], words: LikeliestWords) -> None:
+    """The cost of every live append next to re-submitting the whole text (prefix cache
+    emptied), then the likeliest words read from the stored logits."""
+    print(_paint("live: the append into the session; resubmit: the whole text as a new request, "
+                 "the prefix cache\nemptied first (with it on, the default, a re-submission "
+                 "costs about what an append does)\n", "2"))
     print(f"{'append':>6} {'tokens':>6} {'context':>7} {'live ms':>8} {'resubmit ms':>11} {'x':>6}")
     for i, t in enumerate(timings):
         ratio = t.resubmit_s / t.live_s if t.live_s else float("inf")
@@ -109,25 +136,37 @@ def print_table(timings: list[AppendTiming]) -> None:
             f"{i:>6} {t.num_tokens:>6} {t.context:>7} {t.live_s * 1e3:>8.1f} "
             f"{t.resubmit_s * 1e3:>11.1f} {ratio:>6.1f}"
         )
+    print(f"\nstored logits: the likeliest first words at the last blank, read in "
+          f"{words.seconds * 1e3:.1f} ms\nwithout computing a token: "
+          + " ".join(repr(t) for t in words.texts))
+
+
+def _load(args: EngineArgs) -> LLMEngine:
+    start = time.perf_counter()
+    engine = LLMEngine.from_engine_args(args)
+    print(f"loaded {args.model} ({engine.config.mode_summary}) "
+          f"in {time.perf_counter() - start:.1f} s\n")
+    return engine
 
 
 def main() -> None:
-    """Load the default model and run the demo."""
-    start = time.perf_counter()
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(model="gemma3-270m", special_kwargs=fork_join_kwargs())
-    )
-    print(f"loaded gemma3-270m ({engine.config.mode_summary}) "
-          f"in {time.perf_counter() - start:.1f} s\n")
+    """Load the models and run the demo: the story on the default (base) model, the fork/join
+    scene on the instruct model, which writes the expansions a chat asks for."""
+    engine = _load(EngineArgs(model="gemma3-270m"))
     print(_paint("madlibs: cyan = appended fragments, green [..] = the model's fills\n", "2"))
-    timings = run_madlibs(engine)
-    print_table(timings)
-    print(_paint("\nfork/join: <promise> after each outline item spawns a child sharing the "
-                 "parent's KV; <sync> merges their expansions\n", "2"))
-    out, _ = run_fork_join(engine)
-    print_tree(out)
+    timings, words = run_madlibs(engine)
+    print_table(timings, words)
     assert engine.kv_pool_all_free
-    print(f"\nrecomputed tokens: {engine.num_recomputed_tokens}")
+    recomputed = engine.num_recomputed_tokens
+    del engine
+    print()
+    instruct = _load(EngineArgs(model=FORK_JOIN_MODEL, special_kwargs=fork_join_kwargs()))
+    print(_paint("fork/join: <promise> after each outline item spawns a child sharing the "
+                 "parent's KV; <sync> merges\ntheir sentences into the parent\n", "2"))
+    out, _ = run_fork_join(instruct)
+    print_tree(out)
+    assert instruct.kv_pool_all_free
+    print(f"\nrecomputed tokens: {recomputed + instruct.num_recomputed_tokens}")
 
 
 if __name__ == "__main__":

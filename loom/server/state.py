@@ -16,6 +16,8 @@ from loom.engine.outputs import RequestOutput
 from loom.sampling_params import RequestOutputKind, SamplingParams
 from loom.server.errors import APIError
 from loom.server.limits import check_api_key
+from loom.server.protocol import ToolFields
+from loom.server.tools import TemplateToolSupport, ToolPlan, plan_tools, template_inputs
 from loom.tokenizer import ChatTemplate
 
 T = TypeVar("T")
@@ -45,6 +47,9 @@ class ServerState:
     # Sessions whose creation is under way: they count against their key's quota already,
     # so concurrent creations cannot pass the check together.
     opening_sessions: set[str] = field(default_factory=set)
+    # The chat template and what it does with tools (TemplateToolSupport), once probed.
+    _tool_support: tuple[ChatTemplate, TemplateToolSupport] | None = field(
+        default=None, init=False, repr=False)
 
     @property
     def tokenizer(self) -> Any:
@@ -104,28 +109,51 @@ class ServerState:
 
     def prompt_or_messages(
         self, prompt: str | list[int] | None, messages: Sequence[Any] | None,
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool = True, tools: Sequence[Any] | None = None,
     ) -> str | list[int]:
-        """The body's prompt as given, or its messages' ids through the chat template; a 400
-        unless exactly one of the two is present."""
+        """The body's prompt as given, or its messages' ids through the chat template (with
+        `tools` offered); a 400 unless exactly one of the two is present."""
         if (prompt is None) == (messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if tools and messages is None:
+            raise APIError(400, "tools are rendered with messages: give messages, not a "
+                                "prompt", param="tools")
         if messages is not None:
-            return self.chat_ids(messages, add_generation_prompt=add_generation_prompt)
+            plan = plan_tools(ToolFields(tools=list(tools))) if tools else None
+            return self.chat_ids(messages, add_generation_prompt, plan)
         assert prompt is not None
         return prompt
 
-    def chat_ids(self, messages: Sequence[Any], add_generation_prompt: bool = True) -> list[int]:
-        """A conversation's prompt ids through the chat template (400 when there is none)."""
-        if self.chat_template is None:
+    def chat_ids(self, messages: Sequence[Any], add_generation_prompt: bool = True,
+                 tools: ToolPlan | None = None) -> list[int]:
+        """A conversation's prompt ids through the chat template (400 when there is none),
+        with the tools `tools` offers and any tool calls and results in the messages as the
+        template can take them (`tools.template_inputs`)."""
+        template = self.chat_template
+        if template is None:
             raise APIError(400, f"model {self.config.served_model_name!r} has no chat template; "
                                 "start the server with --chat-template FILE", param="messages",
                            code="no_chat_template")
-        # Rendered as the engine renders; the context limit is checked with max_tokens (a 400
-        # naming it, state.max_tokens) and the vocabulary when the engine adds the request.
-        return self.engine.inputs.render_chat(
-            "messages", [m.as_template_input() for m in messages], add_generation_prompt
-        )
+        inputs = [m.as_template_input() for m in messages]
+        if tools is None and not any(m.get("tool_calls") or m["role"] == "tool"
+                                     for m in inputs):
+            # Rendered as the engine renders; the context limit is checked with max_tokens (a
+            # 400 naming it, state.max_tokens), the vocabulary when the engine adds it.
+            return self.engine.inputs.render_chat("messages", inputs, add_generation_prompt)
+        inputs, extra = template_inputs(inputs, tools or ToolPlan((), None, True),
+                                        self.tool_support(template))
+        return template.render_ids(self.tokenizer, inputs, add_generation_prompt, **extra)
+
+    def tool_support(self, template: ChatTemplate) -> TemplateToolSupport:
+        """What the chat template does with tools (probed once per template)."""
+        if self._tool_support is None or self._tool_support[0] is not template:
+            self._tool_support = (template, TemplateToolSupport.probe(template))
+        return self._tool_support[1]
+
+    @property
+    def end_token_ids(self) -> list[int]:
+        """The tokens that end a generation: the tokenizer's and the model's end tokens."""
+        return sorted(set(self.tokenizer.eos_token_ids) | set(self.engine.config.eos_token_ids))
 
     # ---- running requests ---------------------------------------------------------------
 

@@ -1,5 +1,10 @@
 """`ChatTemplate`: find a model's Jinja chat template, render messages, tokenize them.
 
+Where a template comes from, first found wins: `--chat-template` (a file or the text), the
+tokenizer's or model's files (a HF folder's `chat_template.jinja`, `tokenizer_config.json`,
+`chat_template.json`; a GGUF's `tokenizer.chat_template`), then a template Loom ships for the
+model (`packaged_templates`: Gemma 3, whose GGUF conversions carry none).
+
 The one chat-template renderer: the engine's input processor (`InputProcessor.encode_chat`)
 and `loom serve` both render through it, so a conversation becomes the same ids either way.
 
@@ -16,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loom.errors import LoomError
+from loom.tokenizer.packaged_templates import fallback_template
 
 if TYPE_CHECKING:
     # The module, not the package: the package's __init__ exports this module's names.
@@ -273,7 +279,8 @@ class ChatTemplate:
     def from_model(
         cls, model_path: Path, tokenizer_path: Path, override: str | Path | None = None
     ) -> ChatTemplate | None:
-        """The override's template, else the tokenizer's or model's files' one; None if none."""
+        """The override's template, else the tokenizer's or model's files' one, else one Loom
+        ships for the model (Gemma 3: `packaged_templates`); None if none."""
         paths = [Path(tokenizer_path).expanduser()]
         if Path(model_path).expanduser() != paths[0]:
             paths.append(Path(model_path).expanduser())
@@ -286,7 +293,8 @@ class ChatTemplate:
         for template, _, _, origin in found:
             if template is not None:
                 return cls(template, bos, eos, origin)
-        return None
+        shipped = fallback_template(paths)
+        return cls(shipped[0], bos, eos, shipped[1]) if shipped is not None else None
 
     def render(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any

@@ -11,6 +11,7 @@ from tiny_reference import build_tiny_tokenizer
 from loom.engine.input_processor import InputProcessor
 from loom.errors import InvalidRequestError, PromptTooLongError
 from loom.tokenizer import ChatTemplate, ChatTemplateError, Tokenizer, load_tokenizer
+from loom.tokenizer.packaged_templates import GEMMA3_TEMPLATE, packaged_template_file
 
 CONVERSATION = [
     {"role": "system", "content": "You are a terse assistant."},
@@ -34,16 +35,20 @@ SIMPLE = (
 # ---------------------------------------------------------------- the real Gemma 3 270M
 
 
-GEMMA_TEMPLATE = Path(__file__).resolve().parents[2] / "examples/chat_templates/gemma3.jinja"
+GEMMA_TEMPLATE = packaged_template_file(GEMMA3_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def gemma_template(gemma_path: Path) -> ChatTemplate:
-    """The packaged Gemma 3 GGUF carries no template: ours (examples/chat_templates) with the
-    GGUF's BOS/EOS."""
-    assert ChatTemplate.from_model(gemma_path, gemma_path) is None
-    template = ChatTemplate.from_model(gemma_path, gemma_path, GEMMA_TEMPLATE)
-    assert template is not None
+    """The packaged Gemma 3 GGUF carries no template: Loom's (loom/tokenizer/templates) with
+    the GGUF's BOS/EOS, without an override; the same as passing that file."""
+    template = ChatTemplate.from_model(gemma_path, gemma_path)
+    assert template is not None and template.origin.startswith(str(GEMMA_TEMPLATE))
+    assert template.template == GEMMA_TEMPLATE.read_text(encoding="utf-8")
+    override = ChatTemplate.from_model(gemma_path, gemma_path, GEMMA_TEMPLATE)
+    assert override is not None and override.origin == str(GEMMA_TEMPLATE)
+    assert override.template == template.template
+    assert (override.bos_token, override.eos_token) == (template.bos_token, template.eos_token)
     return template
 
 
@@ -156,6 +161,62 @@ def test_no_template_returns_none(tmp_path: Path) -> None:
     folder = _hf_folder(tmp_path / "m")
     assert ChatTemplate.from_model(folder, folder) is None
     assert "pass --chat-template FILE" in str(ChatTemplateError.missing("tiny"))
+
+
+# ---------------------------------------------------------------- Loom's packaged templates
+
+
+TURN_TOKENS = ["<start_of_turn>", "<end_of_turn>"]
+
+
+def _gemma3_like_folder(folder: Path, model_type: str = "gemma3_text",
+                        turn_tokens_in: str | None = "tokenizer_config.json",
+                        **tokenizer_config: object) -> Path:
+    """A HF folder with a config of `model_type` and the tiny tokenizer, with Gemma's turn
+    tokens listed as added tokens in `turn_tokens_in` (None: nowhere)."""
+    _hf_folder(folder, **tokenizer_config)
+    (folder / "config.json").write_text(json.dumps({"model_type": model_type}))
+    if turn_tokens_in == "tokenizer_config.json":
+        config = json.loads((folder / turn_tokens_in).read_text())
+        config["added_tokens_decoder"] = {
+            str(600 + i): {"content": t, "special": True} for i, t in enumerate(TURN_TOKENS)}
+        (folder / turn_tokens_in).write_text(json.dumps(config))
+    elif turn_tokens_in == "tokenizer.json":
+        vocab = json.loads((folder / turn_tokens_in).read_text())
+        vocab["added_tokens"] += [{"id": 600 + i, "content": t, "special": True}
+                                  for i, t in enumerate(TURN_TOKENS)]
+        (folder / turn_tokens_in).write_text(json.dumps(vocab))
+    return folder
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "tokenizer.json"])
+@pytest.mark.parametrize("model_type", ["gemma3", "gemma3_text"])
+def test_gemma3_without_a_template_gets_the_packaged_one(
+    tmp_path: Path, where: str, model_type: str
+) -> None:
+    folder = _gemma3_like_folder(tmp_path / "m", model_type, where)
+    template = ChatTemplate.from_model(folder, folder)
+    assert template is not None and template.origin.startswith(str(GEMMA_TEMPLATE))
+    assert (template.bos_token, template.eos_token) == ("<bos>", "<eos>")
+    assert template.render(CONVERSATION) == GEMMA_EXPECTED
+
+
+def test_the_packaged_template_needs_gemma3_and_its_turn_tokens(tmp_path: Path) -> None:
+    # A Gemma 3 body whose tokenizer lacks the turn tokens (the tests' tiny models).
+    no_tokens = _gemma3_like_folder(tmp_path / "a", turn_tokens_in=None)
+    assert ChatTemplate.from_model(no_tokens, no_tokens) is None
+    # Another architecture with tokens of those names.
+    llama = _gemma3_like_folder(tmp_path / "b", model_type="llama")
+    assert ChatTemplate.from_model(llama, llama) is None
+
+
+def test_the_models_own_template_and_the_override_come_first(tmp_path: Path) -> None:
+    own = _gemma3_like_folder(tmp_path / "a", chat_template=SIMPLE)
+    template = ChatTemplate.from_model(own, own)
+    assert template is not None and template.template == SIMPLE
+    plain = _gemma3_like_folder(tmp_path / "b")
+    template = ChatTemplate.from_model(plain, plain, SIMPLE)
+    assert template is not None and template.template == SIMPLE
 
 
 # ---------------------------------------------------------------- rendering and tokenizing

@@ -15,10 +15,11 @@ from server.conftest import run_server
 from loom import LLM, SamplingParams
 from loom.engine.config import EngineArgs
 from loom.tokenizer import ChatTemplate
+from loom.tokenizer.packaged_templates import GEMMA3_TEMPLATE, packaged_template_file
 
 openai = pytest.importorskip("openai")
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "examples/chat_templates/gemma3.jinja"
+TEMPLATE = packaged_template_file(GEMMA3_TEMPLATE)
 MODEL = "test-model"
 PROMPTS = ["The quick brown fox", "Once upon a time in a land"]
 MESSAGES = [{"role": "system", "content": "Be brief."},

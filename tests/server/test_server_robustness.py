@@ -11,16 +11,15 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 from server.conftest import run_server, wait_until
 
 from loom.engine.config import EngineArgs
+from loom.tokenizer.packaged_templates import GEMMA3_TEMPLATE, packaged_template_file
 
-ROOT = Path(__file__).resolve().parents[2]
-TEMPLATE = str(ROOT / "examples" / "chat_templates" / "gemma3.jinja")
+TEMPLATE = str(packaged_template_file(GEMMA3_TEMPLATE))
 MODEL = "test-model"
 LONG = 400  # tokens: long enough that no generation of this length ends during a test's reads
 
