@@ -65,6 +65,7 @@ class EngineCore:
         self.appender = TokenAppender(
             self.table, eos_token_ids, hooks, self.hook_context, self.speculator
         )
+        self.appender.early_masks = device != "cpu"
         self.table.on_sequence_finished.append(self.appender.run_hooks_finished)
         self.outputs = OutputProcessor(self.table)
         self.last_scheduler_output: SchedulerOutput | None = None
@@ -86,14 +87,17 @@ class EngineCore:
         self.last_scheduler_output = sched_out
         if sched_out.is_empty:
             return outputs + self._fail_unschedulable(sched_out)
+        self.appender.start_masks(sched_out.chunks)  # grammars work while the model runs
         try:
             result = self.executor.execute_model(sched_out)
         except Exception as error:  # concerns the whole step: fail its requests, go on
+            self.appender.drop_early_masks()
             logger.exception("a step failed")
             return outputs + self._fail_step(sched_out, error)
         self.scheduler.update_after_step(sched_out, result.load_errors, result.load_failure)
         self.num_steps += 1
         outputs += self._update(sched_out, result)
+        self.appender.drop_early_masks()  # none left unless nothing sampled
         outputs += self._fail_unschedulable(sched_out)
         if self.run_async_calls_inline:
             outputs += self._run_pending_calls_inline()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -112,6 +113,7 @@ class StructuredOutputs:
         self._ll_tokenizer: Any = None
         self._grammars: dict[str, str] = {}
         self._executor: Any = None
+        self._prefetcher: ThreadPoolExecutor | None = None
 
     def _lltok(self) -> Any:
         if self._ll_tokenizer is None:
@@ -153,22 +155,42 @@ class StructuredOutputs:
                 f"request {owner!r}: invalid structured_outputs: {matcher.get_error()}")
         return GrammarMatcher(matcher, params.key)
 
-    def apply_masks(self, logits: torch.Tensor, masks: Sequence[tuple[int, GrammarMatcher]]
-                    ) -> torch.Tensor:
-        """Mask, in place, the rows in `masks` (row index, matcher in the state for that row)
-        to what the grammar accepts next; returns `logits`. Rows a step computes for a
-        session's stored logits are overwritten by the next step's unconstrained row before
-        anything reads them (a segment's end computes the pending token)."""
+    def compute_masks(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
+        """The allowed-next bitmasks [len(matchers), ceil(V / 32)] int32 of the matchers in
+        their current states; several are computed in parallel on the library's threads."""
         words = (self.vocab_size + 31) // 32
-        bits = torch.full((len(masks), words), -1, dtype=torch.int32)
-        if len(masks) == 1:
-            masks[0][1].fill_mask(bits[0])
-        else:  # the rows' masks in parallel, on the library's threads
+        bits = torch.full((len(matchers), words), -1, dtype=torch.int32)
+        if len(matchers) == 1:
+            matchers[0].fill_mask(bits[0])
+        elif matchers:
             if self._executor is None:
                 self._executor = _llguidance().LLExecutor()
             self._executor.unsafe_compute_mask_ptr(
-                [(m._matcher, i) for i, (_, m) in enumerate(masks)], bits.data_ptr(),
-                words * 4, len(masks))
+                [(m._matcher, i) for i, m in enumerate(matchers)], bits.data_ptr(),
+                words * 4, len(matchers))
+        return bits
+
+    def start_masks(self, matchers: Sequence[GrammarMatcher]) -> Future[torch.Tensor]:
+        """`compute_masks` on a background thread (the library releases the GIL): started
+        before a step's forward, its masks are ready when the logits are. The matchers must
+        not change until the result is taken."""
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(max_workers=1,
+                                                  thread_name_prefix="loom-grammar")
+        return self._prefetcher.submit(self.compute_masks, list(matchers))
+
+    def apply_masks(self, logits: torch.Tensor, masks: Sequence[tuple[int, GrammarMatcher]],
+                    ready: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """Mask, in place, the rows in `masks` (row index, matcher in the state for that row)
+        to what the grammar accepts next; returns `logits`. `ready`: masks already computed,
+        by matcher id. Rows a step computes for a session's stored logits are overwritten by
+        the next step's unconstrained row before anything reads them (a segment's end
+        computes the pending token)."""
+        ready = ready or {}
+        todo = [m for _, m in masks if id(m) not in ready]
+        computed = dict(zip((id(m) for m in todo), self.compute_masks(todo), strict=True))
+        bits = torch.stack([ready[id(m)] if id(m) in ready else computed[id(m)]
+                            for _, m in masks])
         rows = torch.tensor([r for r, _ in masks], dtype=torch.int64)
         if use_cpu_kernels(logits) and logits.is_contiguous():
             apply_token_bitmask(logits, rows, bits)

@@ -223,3 +223,18 @@ def test_bad_constraints_are_refused_before_anything_is_queued(engine, bad):
 def test_structured_outputs_needs_exactly_one_constraint():
     with pytest.raises(Exception, match="exactly one"):
         StructuredOutputsParams(json={"type": "object"}, regex="a")
+
+
+def test_masks_computed_during_the_forward_equal_masks_computed_after(tiny_models):
+    """The GPU path starts a step's masks before its forward (off on a CPU, where it is
+    slower): forced on here, outputs are the same, drafts included."""
+    folder, _ = tiny_models["qwen2"]
+    params = SamplingParams(temperature=0.9, seed=4, max_tokens=80, n=3,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    after = _complete(make_engine(folder), "r", prompt_ids(8), params)
+    for spec in (None, SPEC):
+        engine = make_engine(folder, speculative_config=spec)
+        assert not engine.core.appender.early_masks  # a CPU engine computes them after
+        engine.core.appender.early_masks = True
+        during = _complete(engine, "r", prompt_ids(8), params)
+        assert [o.token_ids for o in during] == [o.token_ids for o in after]
