@@ -74,3 +74,39 @@ def test_bind_tools_round_trip(chat):
     messages += [first, ToolMessage(get_weather.invoke(call["args"]), tool_call_id=call["id"])]
     answer = model.bind_tools([get_weather]).invoke(messages)
     assert answer.content or answer.tool_calls
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 24},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+
+
+@pytest.mark.slow
+def test_json_schema_on_many_prompts_with_the_instruct_model(chat):
+    """The openai client's response_format on the instruct model: every reply validates."""
+    import asyncio
+
+    import jsonschema
+    import openai
+
+    _, server = chat
+    client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+    topics = ["a pirate", "a chef", "a pilot", "a child", "a queen", "a robot", "a farmer",
+              "a poet"]
+
+    async def ask(topic: str) -> str:
+        reply = await client.chat.completions.create(
+            model="smollm2-135m-instruct", max_tokens=64, temperature=0.7, seed=1,
+            messages=[{"role": "user", "content": f"Describe {topic} as JSON."}],
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "person", "schema": PERSON}})
+        return reply.choices[0].message.content
+
+    async def main() -> list[str]:
+        try:
+            return await asyncio.gather(*(ask(t) for t in topics))
+        finally:
+            await client.close()
+
+    for content in asyncio.run(main()):
+        jsonschema.validate(json.loads(content), PERSON)
