@@ -168,8 +168,8 @@ class TokenAppender:
 
     def _constrain(self, seqs: list[SequenceState], drafts: list[list[int]],
                    logits: torch.Tensor) -> torch.Tensor:
-        """Mask, in a copy, the rows of constrained sequences to what their grammar accepts
-        next. Row i of a drafted sequence follows its first i drafts: they are consumed to
+        """Mask, in place, the rows of constrained sequences to what their grammar accepts
+        next (with the masks started during the forward, where there are any). Row i of a drafted sequence follows its first i drafts: they are consumed to
         compute its mask and rolled back after; rows after a draft the grammar forbids keep
         no mask (verification never keeps them: the row before cannot sample that draft)."""
         structured = self.table.structured
