@@ -169,9 +169,10 @@ class TokenAppender:
     def _constrain(self, seqs: list[SequenceState], drafts: list[list[int]],
                    logits: torch.Tensor) -> torch.Tensor:
         """Mask, in place, the rows of constrained sequences to what their grammar accepts
-        next (with the masks started during the forward, where there are any). Row i of a drafted sequence follows its first i drafts: they are consumed to
-        compute its mask and rolled back after; rows after a draft the grammar forbids keep
-        no mask (verification never keeps them: the row before cannot sample that draft)."""
+        next (with the masks started during the forward, where there are any). Row i of a
+        drafted sequence follows its first i drafts: they are consumed to compute its mask
+        and rolled back after; rows after a draft the grammar forbids keep no mask
+        (verification never keeps them: the row before cannot sample that draft)."""
         structured = self.table.structured
         ready = self._take_early_masks()
         if structured is None or not any(seq.grammar is not None for seq in seqs):

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from loom.errors import LoomError
 from loom.tokenizer.packaged_templates import fallback_template
+from loom.tokenizer.packaged_templates import read_json_object as _read_json
 
 if TYPE_CHECKING:
     # The module, not the package: the package's __init__ exports this module's names.
@@ -156,14 +157,6 @@ def _message_for_template(index: int, message: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- finding a template
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _token_text(value: Any) -> str:

@@ -67,14 +67,14 @@ def _gguf_is_gemma3(path: Path) -> bool:
 
 
 def _hf_is_gemma3(folder: Path) -> bool:
-    if _read_json(folder / "config.json").get("model_type") not in _GEMMA3_MODEL_TYPES:
+    if read_json_object(folder / "config.json").get("model_type") not in _GEMMA3_MODEL_TYPES:
         return False
     # The turn tokens are added tokens: listed in tokenizer_config.json (small), else in
     # tokenizer.json (tens of MB for Gemma; read only when the first lacks them).
-    decoder = _read_json(folder / "tokenizer_config.json").get("added_tokens_decoder")
+    decoder = read_json_object(folder / "tokenizer_config.json").get("added_tokens_decoder")
     entries = list(decoder.values()) if isinstance(decoder, dict) else []
     if not _contents(entries) >= _GEMMA3_TURN_TOKENS:
-        added = _read_json(folder / "tokenizer.json").get("added_tokens")
+        added = read_json_object(folder / "tokenizer.json").get("added_tokens")
         entries += added if isinstance(added, list) else []
     return _contents(entries) >= _GEMMA3_TURN_TOKENS
 
@@ -85,7 +85,8 @@ def _contents(entries: list[Any]) -> set[str]:
         e.get("content"), str)}
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file's top-level object; {} when it is missing, unreadable or not an object."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
