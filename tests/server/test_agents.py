@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
@@ -19,7 +18,6 @@ jsonschema = pytest.importorskip("jsonschema")
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[2]
 MODEL = "gemma3-270m"
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
@@ -42,19 +40,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 RESULT = json.dumps({"temperature_c": 21, "sky": "clear"})
 
 
-def _gemma_template() -> str | None:
-    """Gemma 3's turn template as a file (None: the model gets Loom's packaged one)."""
-    for path in (ROOT / "loom/tokenizer/templates/gemma3.jinja",
-                 ROOT / "examples/chat_templates/gemma3.jinja"):
-        if path.is_file():
-            return str(path)
-    return None
-
-
 @pytest.fixture(scope="module")
 def agent(gemma_engine):
-    with run_server(gemma_engine, served_model_name=MODEL,
-                    chat_template=_gemma_template()) as server:
+    with run_server(gemma_engine, served_model_name=MODEL) as server:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused",
                                max_retries=0, timeout=300)
         with httpx.Client(base_url=server.base_url, timeout=300) as http:
