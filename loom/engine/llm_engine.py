@@ -27,7 +27,7 @@ from loom.engine.sessions import Sample, SessionManager, SessionView
 from loom.engine.speculation import Speculator
 from loom.engine.stats import EngineStats
 from loom.engine.structured_output import StructuredOutputs
-from loom.errors import DuplicateRequestError, InvalidRequestError
+from loom.errors import InvalidRequestError
 from loom.kv_connector import KVConnectorRole, create_connector
 from loom.runner.model_runner import ModelRunner
 from loom.sampling_params import SamplingParams
@@ -100,8 +100,7 @@ class LLMEngine:
             raise InvalidRequestError(f"session {request_id!r}: n must be 1, got {params.n}")
         if ttl_s is not None and not ttl_s > 0:
             raise InvalidRequestError(f"session {request_id!r}: ttl_s must be > 0, got {ttl_s}")
-        if self.table.is_live(request_id):
-            raise DuplicateRequestError(f"request id {request_id!r} is already in use")
+        self.table.check_new_id(request_id)  # before tokenising: refused as it came
         prompt_text, prompt_ids = self.inputs.encode_prompt(request_id, prompt)
         self.inputs.check_params(request_id, params)
         self.table.add_group(request_id, prompt_text, prompt_ids, params, session=session,

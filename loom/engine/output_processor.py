@@ -52,19 +52,19 @@ class OutputProcessor:
             outputs = [s.completion() for s in roots]
         else:
             outputs = [s.completion() for s in roots]
-        # Children go with a request's (or a session segment's) last output, and with every
-        # cumulative one.
-        segment_end = all(o.finish_reason is not None for o in outputs)
-        with_children = finished or segment_end or kind is RequestOutputKind.CUMULATIVE
-        return RequestOutput(
+        out = RequestOutput(
             request_id=request_id,
             prompt=roots[0].prompt,
             prompt_token_ids=roots[0].prompt_token_ids,
             outputs=outputs,
             finished=finished,
-            children=[c for s in roots for c in self.child_outputs(s)] if with_children else [],
             error=error,
         )
+        # Children go with a request's (or a session segment's) last output, and with every
+        # cumulative one.
+        if finished or out.segment_finished or kind is RequestOutputKind.CUMULATIVE:
+            out.children = [c for s in roots for c in self.child_outputs(s)]
+        return out
 
     def child_outputs(self, seq: SequenceState) -> list[RequestOutput]:
         """The output tree under a sequence (cumulative)."""

@@ -124,6 +124,11 @@ class SequenceTable:
 
     # ---- lifecycle ----------------------------------------------------------------------
 
+    def check_new_id(self, request_id: str) -> None:
+        """A `DuplicateRequestError` when a live request already has this id."""
+        if request_id in self._groups:
+            raise DuplicateRequestError(f"request id {request_id!r} is already in use")
+
     def add_group(
         self,
         request_id: str,
@@ -137,8 +142,7 @@ class SequenceTable:
     ) -> None:
         """Create a request's sequences (n of them, or one session), each generating with
         `params`, and queue them (`start_segment(seq, None)` turns sampling off)."""
-        if request_id in self._groups:
-            raise DuplicateRequestError(f"request id {request_id!r} is already in use")
+        self.check_new_id(request_id)
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}/{i}" for i in range(params.n)]
         shared_prompt = list(prompt_ids)
         for index, seq_id in enumerate(seq_ids):

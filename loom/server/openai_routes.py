@@ -169,9 +169,11 @@ async def create_completion(body: CompletionRequest, request: Request,
     prompts = _prompts(state, body.prompt)
     cid = f"cmpl-{uuid.uuid4().hex}"
     constraint, field = requested_constraint(body)
-    params = [await constrain(state, body.sampling_params(
-        state.max_tokens(body.max_tokens, len(ids)), body.logprobs), constraint, field)
-        for _, ids in prompts]
+    limits = [state.max_tokens(body.max_tokens, len(ids)) for _, ids in prompts]
+    # One constraint for every prompt: checked to compile once.
+    constrained = await constrain(state, body.sampling_params(None, body.logprobs),
+                                  constraint, field)
+    params = [constrained.with_updates(max_tokens=limit) for limit in limits]
     streams = [_timed_stream(state, ids, p, f"{cid}-{i}")
                for i, ((_, ids), p) in enumerate(zip(prompts, params, strict=True))]
     decode = state.decode_token
