@@ -60,3 +60,8 @@ class InvalidSessionStateError(LoomError):
 
 class KVConnectorError(LoomError):
     """A KV connector that cannot be found or started from the given configuration."""
+
+
+class TensorParallelError(LoomError):
+    """A tensor-parallel group that cannot start or lost a rank (the message names the rank
+    and why); the engine's requests fail with it and its other ranks are stopped."""

@@ -59,6 +59,12 @@ class AsyncLLMEngine:
         """Build the synchronous engine and wrap it."""
         return cls(LLMEngine.from_engine_args(args))
 
+    def shutdown(self) -> None:
+        """Release the engine (tensor-parallel workers included) once its event loop has
+        stopped (the server's shutdown): a step in flight finishes first."""
+        self._step_thread.shutdown(wait=True)
+        self.engine.shutdown()
+
     # ---- background loop ------------------------------------------------------------
 
     def _ensure_loop(self) -> None:

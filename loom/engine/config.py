@@ -58,6 +58,10 @@ class EngineArgs:
     # eagerly, as vLLM's flag does.
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
+    # Split the model over this many devices (processes), Megatron-style, on
+    # torch.distributed (NCCL on CUDA, gloo on a CPU); see loom.parallel. Under torchrun
+    # the ranks come from its environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE).
+    tensor_parallel_size: int = 1
     special_kwargs: Any = None  # loom.engine.promise_sync.SpecialKwargs
     hooks: list[Any] = field(default_factory=list)  # loom.engine.hooks.SequenceHook objects
 
@@ -94,6 +98,7 @@ class EngineConfig:
     special_kwargs: Any = None
     hooks: tuple[Any, ...] = ()
     mode_summary: str = ""  # e.g. "w8a8, kv float16, cpu avx2" (the start-up line)
+    tensor_parallel_size: int = 1
 
     @property
     def block_size(self) -> int:

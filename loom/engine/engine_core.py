@@ -31,7 +31,8 @@ from loom.engine.sequence_table import SequenceTable
 from loom.engine.speculation import Speculator
 from loom.engine.structured_output import StructuredOutputs
 from loom.engine.token_appender import TokenAppender
-from loom.runner import ModelOutput, ModelRunner
+from loom.runner import ModelOutput
+from loom.runner.executor import Executor
 from loom.spec_decode import SpeculativeConfig
 from loom.tokenizer import Tokenizer
 
@@ -45,7 +46,7 @@ class EngineCore:
     def __init__(
         self,
         scheduler: Scheduler,
-        executor: ModelRunner,
+        executor: Executor,
         tokenizer: Tokenizer,
         *,
         device: str,

@@ -34,6 +34,10 @@ class LLM:
         """Forget every cached KV block (see `LLMEngine.reset_prefix_cache`)."""
         return self.engine.reset_prefix_cache()
 
+    def shutdown(self) -> None:
+        """Release the engine (stops tensor-parallel workers; also done at exit)."""
+        self.engine.shutdown()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

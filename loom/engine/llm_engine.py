@@ -29,6 +29,8 @@ from loom.engine.stats import EngineStats
 from loom.engine.structured_output import StructuredOutputs
 from loom.errors import InvalidRequestError
 from loom.kv_connector import KVConnectorRole, create_connector
+from loom.parallel.executor import TensorParallelExecutor
+from loom.runner.executor import Executor
 from loom.runner.model_runner import ModelRunner
 from loom.sampling_params import SamplingParams
 from loom.tokenizer import Tokenizer
@@ -41,9 +43,10 @@ class LLMEngine:
     as its own `Request` ("id/0", "id/1", ...) and their outputs are gathered under the id.
     """
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner, tokenizer: Tokenizer) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor, tokenizer: Tokenizer) -> None:
+        """`executor`: a `ModelRunner` (one device) or a `TensorParallelExecutor`."""
         self.config = config
-        self.runner = runner
+        self.executor = executor
         self.tokenizer = tokenizer
         self.kv_connector = None
         if config.kv_transfer is not None:
@@ -61,7 +64,7 @@ class LLMEngine:
         self.inputs = InputProcessor(tokenizer, config.vocab_size, config.max_model_len,
                                      structured=self.structured)
         self.core = EngineCore(
-            self.scheduler, runner, tokenizer,
+            self.scheduler, executor, tokenizer,
             device=config.device, max_model_len=config.max_model_len,
             num_kv_blocks=config.num_kv_blocks, eos_token_ids=self.eos_token_ids,
             hooks=hooks, speculative=config.speculative, structured=self.structured,
@@ -74,8 +77,19 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         """Load the model and tokenizer and size the KV pool as the arguments say."""
-        config, runner, tokenizer = build_engine_parts(args)
-        return cls(config, runner, tokenizer)
+        config, executor, tokenizer = build_engine_parts(args)
+        return cls(config, executor, tokenizer)
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner in this process: the whole model, or rank 0's shard of it."""
+        executor = self.executor
+        return executor.runner if isinstance(executor, TensorParallelExecutor) else executor  # type: ignore[return-value]
+
+    def shutdown(self) -> None:
+        """Release the executor: under tensor parallelism, stop every worker process (also
+        done at interpreter exit). Later steps fail."""
+        self.executor.shutdown()
 
     # ---- adding and removing ------------------------------------------------------------
 
@@ -263,7 +277,7 @@ class LLMEngine:
             kv_loaded_tokens=external.num_loaded_tokens if external else 0,
             kv_gap_tokens=external.num_gap_tokens if external else 0,
             kv_load_failed_tokens=external.num_load_failed_tokens if external else 0,
-            kv_saved_blocks=getattr(self.runner.kv_connector, "num_saved_blocks", 0),
+            kv_saved_blocks=getattr(self.executor.kv_connector, "num_saved_blocks", 0),
         )
 
     def reset_prefix_cache(self) -> int:

@@ -21,20 +21,16 @@ from loom.engine.mode import (
 )
 from loom.errors import InvalidRequestError
 from loom.kernels import KERNEL_ARITHMETIC, cpu_kernels_available
-from loom.kv_connector import (
-    KVCacheSpec,
-    KVConnectorRole,
-    KVTransferConfig,
-    create_connector,
-    model_identity,
-)
+from loom.kv_connector import KVCacheSpec, KVTransferConfig, model_identity
 from loom.kv_connector.factory import connector_class
 from loom.loader import weights_are_quantized
 from loom.loader.resolve import resolve_model_path
-from loom.models.quant import set_large_batch_dtype
+from loom.models.tensor_parallel import check_shardable, local_model_config
+from loom.parallel.executor import launch as launch_tensor_parallel
 from loom.runner.decode_graphs import graph_batch_sizes
-from loom.runner.loading import build_model
-from loom.runner.model_runner import ModelRunner, kv_cache_bytes_per_block
+from loom.runner.executor import Executor
+from loom.runner.model_runner import kv_cache_bytes_per_block
+from loom.runner.rank_runner import RunnerSpec, build_runner, read_model_config
 from loom.spec_decode import SpeculativeConfig
 from loom.tokenizer import Tokenizer, load_tokenizer
 
@@ -102,7 +98,7 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tokenizer]:
+def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, Executor, Tokenizer]:
     """Resolve paths, dtype and device, load the model, size the KV pool, load the tokenizer."""
     if args.block_size <= 0 or args.max_num_batched_tokens <= 0 or args.max_num_seqs <= 0:
         raise InvalidRequestError(
@@ -120,7 +116,7 @@ def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, ModelRunner, Tok
 
 def _build_model_parts(
     args: EngineArgs, model_path: Path, tokenizer_path: Path
-) -> tuple[EngineConfig, ModelRunner]:
+) -> tuple[EngineConfig, Executor]:
     device = resolve_device(args.device)
     mode, mode_summary = resolve_mode(args, model_path, device)
     dtype, kv_dtype = mode.dtype, mode.kv_cache_dtype
@@ -129,15 +125,16 @@ def _build_model_parts(
     if args.kv_transfer_config is not None:
         kv_transfer = KVTransferConfig.coerce(args.kv_transfer_config)
         connector_class(kv_transfer)  # an unknown name or module fails before the model loads
-    model_config, model = build_model(
-        model_path, torch_dtype(dtype), torch.device(device), mode.quantization
-    )
-    if mode.large_batch_dtype is not None:
-        set_large_batch_dtype(model, torch_dtype(mode.large_batch_dtype))
+    tp = args.tensor_parallel_size
+    if not isinstance(tp, int) or tp < 1:
+        raise InvalidRequestError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+    model_config = read_model_config(model_path)
+    check_shardable(model_config, tp)
+    rank_config = local_model_config(model_config, tp)  # what each rank's KV pool holds
     if args.num_kv_blocks is not None:
         num_blocks = args.num_kv_blocks
-    else:
-        per_block = kv_cache_bytes_per_block(model_config, args.block_size, torch_dtype(kv_dtype))
+    else:  # kv_cache_memory_gb is per device
+        per_block = kv_cache_bytes_per_block(rank_config, args.block_size, torch_dtype(kv_dtype))
         num_blocks = min(_MAX_AUTO_BLOCKS, int(args.kv_cache_memory_gb * 2**30 // per_block))
     if num_blocks <= 0:
         raise InvalidRequestError(f"the KV pool must have at least one block, got {num_blocks}")
@@ -153,6 +150,8 @@ def _build_model_parts(
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
     )
+    if tp > 1:
+        mode_summary += f", tensor parallel {tp}"
     config = EngineConfig(
         model_path=model_path,
         tokenizer_path=tokenizer_path,
@@ -174,22 +173,26 @@ def _build_model_parts(
         kv_cache_spec=None if kv_transfer is None else KVCacheSpec(
             model_id=model_identity(model_path), dtype=dtype, kv_cache_dtype=kv_dtype,
             block_size=args.block_size, num_layers=model_config.num_layers,
-            num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
+            num_kv_heads=rank_config.num_kv_heads, head_dim=model_config.head_dim,
             quantization=mode.quantization, large_batch_dtype=mode.large_batch_dtype,
             arithmetic=kv_arithmetic(device, args.attention_backend),
+            tensor_parallel_size=tp,
         ),
+        tensor_parallel_size=tp,
     )
     assert cdiv(max_model_len, args.block_size) <= num_blocks
     graph_sizes = None if args.enforce_eager else graph_batch_sizes(
         args.max_num_seqs, args.cuda_graph_sizes)
-    runner = ModelRunner(
-        model_config, model, torch.device(device), torch_dtype(dtype), num_blocks, args.block_size,
-        attention_backend=args.attention_backend, kv_cache_dtype=torch_dtype(kv_dtype),
-        decode_graph_sizes=graph_sizes, max_model_len=max_model_len,
+    spec = RunnerSpec(
+        model_path=model_path, dtype=dtype, device=device, quantization=mode.quantization,
+        large_batch_dtype=mode.large_batch_dtype, kv_cache_dtype=kv_dtype,
+        num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
+        attention_backend=args.attention_backend,
+        decode_graph_sizes=None if graph_sizes is None else tuple(graph_sizes),
         verify_tokens=None if speculative is None else speculative.num_speculative_tokens + 1,
+        kv_transfer=kv_transfer, kv_cache_spec=config.kv_cache_spec,
+        tensor_parallel_size=tp,
     )
-    if kv_transfer is not None:
-        worker = create_connector(kv_transfer, config.kv_cache_spec, KVConnectorRole.WORKER)
-        runner.attach_kv_connector(worker)
+    executor: Executor = build_runner(spec) if tp == 1 else launch_tensor_parallel(spec)
     logger.info("loaded %s (%s)", args.model, mode_summary)
-    return config, runner
+    return config, executor

@@ -105,6 +105,12 @@ class KVCacheSpec:
     # "/<attention backend asked for>". The same mode on other kernels gives other bits, and a
     # store never mixes them.
     arithmetic: str = ""
+    # Tensor parallelism: each rank stores the blocks of its own KV heads (`num_kv_heads` is
+    # the rank's) under its own keys; a block written under another tensor-parallel size or by
+    # another rank never matches. Left out of the fingerprint at size 1, so one-device stores
+    # keep their keys.
+    tensor_parallel_rank: int = 0
+    tensor_parallel_size: int = 1
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
@@ -114,5 +120,8 @@ class KVCacheSpec:
     @property
     def fingerprint(self) -> str:
         """A short digest of every field: stored keys start with it, blocks carry it."""
-        text = json.dumps(asdict(self), sort_keys=True)
+        fields = asdict(self)
+        if self.tensor_parallel_size == 1:
+            del fields["tensor_parallel_rank"], fields["tensor_parallel_size"]
+        text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:32]

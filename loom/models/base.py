@@ -14,6 +14,7 @@ from loom.errors import InvalidModelError
 from loom.models.config import ModelConfig
 from loom.models.fused_decode import FusedDecoder
 from loom.models.layers import Linear
+from loom.models.weight_shard import ShardRule
 
 
 class DecoderBody(nn.Module):
@@ -41,6 +42,11 @@ class CausalLM(nn.Module):
     fused_decode_status: str = "not built"
     # HF weight-name prefixes that carry no text-model weights (vision towers, ...).
     ignored_prefixes: tuple[str, ...] = ()
+    # Tensor parallelism (loom.models.tensor_parallel): the slice of its checkpoint tensor
+    # each sharded parameter holds, and whether the (untied) output projection loads from
+    # the embedding's tensor. Empty / False for a whole model.
+    weight_shards: dict[str, ShardRule] = {}  # noqa: RUF012 (replaced, never mutated)
+    lm_head_from_embedding: bool = False
 
     def __init__(self, config: ModelConfig, body: DecoderBody, tie_embeddings: bool) -> None:
         super().__init__()
@@ -124,20 +130,15 @@ class CausalLM(nn.Module):
             name = self.map_weight_name(hf_name)
             if name is None:
                 continue
+            if self.lm_head_from_embedding and name == "model.embed_tokens.weight":
+                self._load_param(params, "lm_head.weight", hf_name, tensor)
+                loaded.add("lm_head.weight")
             if name not in params:
                 raise InvalidModelError(
                     f"checkpoint weight {hf_name!r} has no parameter {name!r} in"
                     f" {type(self).__name__}"
                 )
-            param = params[name]
-            got, want = tuple(tensor.shape), tuple(param.shape)
-            if got != want:
-                raise InvalidModelError(
-                    f"tensor {hf_name!r} has shape {got}, config expects {want}"
-                    " (the model config and the weights disagree)"
-                )
-            with torch.no_grad():
-                param.copy_(tensor)
+            self._load_param(params, name, hf_name, tensor)
             loaded.add(name)
         missing = sorted(set(params) - loaded)
         if missing:
@@ -145,3 +146,19 @@ class CausalLM(nn.Module):
                 f"checkpoint lacks weights for {len(missing)} parameters of"
                 f" {type(self).__name__}: {missing[:5]}"
             )
+
+    def _load_param(self, params: dict[str, Any], name: str, hf_name: str,
+                    tensor: torch.Tensor) -> None:
+        """Copy `tensor` (this rank's slice of it, under tensor parallelism) into `name`."""
+        param = params[name]
+        rule = self.weight_shards.get(name)
+        if rule is not None:
+            tensor = rule.apply(tensor)
+        got, want = tuple(tensor.shape), tuple(param.shape)
+        if got != want:
+            raise InvalidModelError(
+                f"tensor {hf_name!r} has shape {got}, config expects {want}"
+                " (the model config and the weights disagree)"
+            )
+        with torch.no_grad():
+            param.copy_(tensor)

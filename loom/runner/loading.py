@@ -18,6 +18,8 @@ from loom.models.config import ModelConfig
 from loom.models.layers import fuse_projections
 from loom.models.quant import quantize_model_int8
 from loom.models.registry import get_model_class
+from loom.models.tensor_parallel import shard_model
+from loom.models.weight_shard import Shard
 from loom.runner.prepared import load_prepared, prepared_path, read_prepared_config, save_prepared
 
 logger = logging.getLogger("loom")
@@ -32,6 +34,7 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     quantization: str | None = None,
+    shard: Shard | None = None,
 ) -> tuple[ModelConfig, CausalLM]:
     """Resolve `path` (alias, HF folder or .gguf), construct the model and load its weights.
 
@@ -40,6 +43,11 @@ def build_model(
     linear layer (and the output projection) into int8, then casts the remaining parameters
     to `dtype`. A GGUF model is prepared once per mode and reused from the disk cache
     (`loom.runner.prepared`; `LOOM_PREPARED_CACHE=0` turns it off).
+
+    `shard`: build only this rank's part of a tensor-parallel model
+    (`loom.models.tensor_parallel`): the module tree is cut on the meta device, every weight
+    is cut to its slice as it loads, then stacked and quantised per shard. The returned config
+    is the whole model's; the collectives are attached by the caller.
     """
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"unsupported quantization {quantization!r}; known: {QUANTIZATIONS}")
@@ -47,22 +55,22 @@ def build_model(
     cache = None
     if source.format == "gguf" and os.environ.get("LOOM_PREPARED_CACHE", "1") != "0":
         layout = "packed" if quantization == "w8a8" and cpu_kernels_available() else "rows"
-        cache = prepared_path(source.path, dtype, quantization, layout)
+        cache = prepared_path(source.path, dtype, quantization, layout, shard)
         stored = read_prepared_config(cache)
         if stored is not None:
             stored_config, structure = stored
-            model_cls, config = _architecture(stored_config)
+            model_cls, config = model_architecture(stored_config)
             compact = structure.get("embedding") == "int8-blocks"
             model = load_prepared(
-                cache, lambda: _prepare(_construct(model_cls, config, dtype, quantization),
+                cache, lambda: _prepare(_construct(model_cls, config, dtype, quantization, shard),
                                         dtype, quantization, compact), device)
             if model is not None:
                 return config, _for_inference(model)
     hf_config, weights, _ = load_model_files(source.path, dtype=_load_dtype(dtype, quantization))
-    model_cls, config = _architecture(hf_config)
+    model_cls, config = model_architecture(hf_config)
     # Construct without allocating or initialising, then fill every parameter from the file.
     with torch.device("meta"):
-        model = _construct(model_cls, config, dtype, quantization)
+        model = _construct(model_cls, config, dtype, quantization, shard)
     model = model.to_empty(device=device)
     if model.tie_embeddings:  # to_empty gave the output projection its own (empty) tensor
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -88,17 +96,20 @@ def _load_dtype(dtype: torch.dtype, quantization: str | None) -> torch.dtype:
     return torch.float32 if quantization is not None else dtype
 
 
-def _architecture(hf_config: dict[str, Any]) -> tuple[type[CausalLM], ModelConfig]:
+def model_architecture(hf_config: dict[str, Any]) -> tuple[type[CausalLM], ModelConfig]:
+    """The model class an HF config names, and its `ModelConfig`."""
     architectures = hf_config.get("architectures") or ["<missing 'architectures'>"]
     model_cls = get_model_class(str(architectures[0]))  # unsupported -> error before parsing
     return model_cls, ModelConfig.from_hf(hf_config)
 
 
 def _construct(model_cls: type[CausalLM], config: ModelConfig, dtype: torch.dtype,
-               quantization: str | None) -> CausalLM:
+               quantization: str | None, shard: Shard | None = None) -> CausalLM:
     """The module tree in the dtype weights load in (on the current default device), with a
-    tied output projection sharing the embedding."""
+    tied output projection sharing the embedding; cut to `shard` (on the meta device)."""
     model = model_cls(config).to(_load_dtype(dtype, quantization))
+    if shard is not None and shard.world_size > 1:
+        shard_model(model, shard)
     if model.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model

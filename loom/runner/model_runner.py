@@ -198,6 +198,9 @@ class ModelRunner:
         load_errors = self.save_kv()
         return ModelOutput(logits, load_errors, load_failure)
 
+    def shutdown(self) -> None:
+        """Nothing to release on one device (the pool goes with the runner)."""
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy KV block src -> dst in every layer (copy-on-write of forked blocks)."""
         if not copies:

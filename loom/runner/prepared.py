@@ -30,19 +30,24 @@ from safetensors.torch import save_file
 
 from loom.cache_dir import file_identity, loom_cache_dir
 from loom.models.base import CausalLM
+from loom.models.weight_shard import Shard
 
 logger = logging.getLogger("loom")
 
 # Bump when what a prepared file holds changes (module tree, layouts, quantisation rules).
 FORMAT = "3"
 # Prepared entries kept on disk (the least recently used beyond these are deleted).
-KEEP = 3
+KEEP = 4
 
 
 def prepared_path(source: Path, dtype: torch.dtype, quantization: str | None,
-                  layout: str) -> Path:
-    """The cache file of `source` prepared as (dtype, quantization, int8 layout)."""
-    ident = "|".join([FORMAT, file_identity(source), str(dtype), str(quantization), layout])
+                  layout: str, shard: Shard | None = None) -> Path:
+    """The cache file of `source` prepared as (dtype, quantization, int8 layout), or of one
+    rank's shard of it."""
+    parts = [FORMAT, file_identity(source), str(dtype), str(quantization), layout]
+    if shard is not None and shard.world_size > 1:
+        parts.append(f"tp{shard.rank}/{shard.world_size}")
+    ident = "|".join(parts)
     digest = hashlib.sha256(ident.encode()).hexdigest()[:20]
     return loom_cache_dir("prepared") / f"{source.stem}-{digest}.safetensors"
 

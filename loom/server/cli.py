@@ -150,5 +150,8 @@ def serve(namespace: argparse.Namespace) -> int:
     engine = AsyncLLMEngine.from_engine_args(args)
     print(f"loaded {args.model} ({engine.config.mode_summary})", flush=True)
     app = build_app(engine, config)
-    uvicorn.run(app, host=namespace.host, port=namespace.port, log_level=namespace.log_level)
+    try:
+        uvicorn.run(app, host=namespace.host, port=namespace.port, log_level=namespace.log_level)
+    finally:  # Ctrl-C or SIGTERM: uvicorn returns; stop tensor-parallel workers with us
+        engine.shutdown()
     return 0
