@@ -4,6 +4,10 @@ hash under the model fingerprint: `SharedStorageConnector` (a folder) and `Redis
 A lookup walks the request's full blocks after its frontier and matches up to the last one
 the store holds; the blocks it lacks before that are gaps, computed by the engine (segmented
 prefill). Every block a step fills is saved after the forward unless the store has it.
+
+The step's metadata names blocks by their chained hash, not by key: each worker half keys them
+with its own fingerprint, so under tensor parallelism every rank loads and saves its own KV
+heads under its own keys (the scheduler half looks up rank 0's keys).
 """
 
 from __future__ import annotations
@@ -24,17 +28,18 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StoreConnectorMetadata:
-    """One step's transfers: (block id, key) pairs to load before and save after the forward."""
+    """One step's transfers: (block id, block hash) pairs to load before and save after the
+    forward. Each worker keys the hashes with its own fingerprint (`StoreConnector.key`)."""
 
-    loads: list[tuple[int, str]] = field(default_factory=list)
-    saves: list[tuple[int, str]] = field(default_factory=list)
+    loads: list[tuple[int, bytes]] = field(default_factory=list)
+    saves: list[tuple[int, bytes]] = field(default_factory=list)
 
 
 @dataclass
 class _Match:
-    """What a lookup found for a request: table index -> key of each stored block, and gaps."""
+    """What a lookup found for a request: table index -> hash of each stored block, and gaps."""
 
-    keys: dict[int, str]
+    hashes: dict[int, bytes]
     gaps: list[Range]
 
 
@@ -45,7 +50,7 @@ class StoreConnector(KVConnectorBase):
         super().__init__(config, spec, role)
         self.store = self.make_store(dict(config.kv_connector_extra_config))
         self._matches: dict[str, _Match] = {}
-        self._loads: list[tuple[int, str]] = []
+        self._loads: list[tuple[int, bytes]] = []
         self._load_errors: dict[int, str] = {}
         self.num_saved_blocks = 0
         self.num_save_errors = 0
@@ -69,9 +74,9 @@ class StoreConnector(KVConnectorBase):
         first, last = num_computed_tokens // size, (request.num_tokens - 1) // size
         if not self.config.is_consumer or last <= first:
             return 0, False
-        keys = [self.key(h) for h in request.block_keys(size, last)[first:last]]
+        hashes = request.block_keys(size, last)[first:last]
         try:
-            held = self.store.contains(keys)
+            held = self.store.contains([self.key(h) for h in hashes])
         except Exception as error:  # an unreachable store must not stop the engine
             logger.warning("KV store lookup failed, computing instead: %s", error)
             return 0, False
@@ -81,7 +86,7 @@ class StoreConnector(KVConnectorBase):
         end = found[-1] + 1
         missing = sorted(set(range(first, end)) - set(found))
         self._matches[request.request_id] = _Match(
-            keys={i: keys[i - first] for i in found}, gaps=blocks_to_ranges(missing, size)
+            hashes={i: hashes[i - first] for i in found}, gaps=blocks_to_ranges(missing, size)
         )
         return end * size - num_computed_tokens, False
 
@@ -101,7 +106,7 @@ class StoreConnector(KVConnectorBase):
         gaps = self.get_computed_token_gaps(request) or []
         skip = {i for a, b in gaps for i in range(a // size, -(-b // size))}
         self._loads.extend(
-            (blocks[i], key) for i, key in sorted(match.keys.items()) if i not in skip
+            (blocks[i], h) for i, h in sorted(match.hashes.items()) if i not in skip
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StoreConnectorMetadata:
@@ -109,9 +114,9 @@ class StoreConnector(KVConnectorBase):
         meta = StoreConnectorMetadata(loads=self._loads)
         self._loads = []
         if self.config.is_producer and scheduler_output.filled_blocks:
-            saves = [(b.block_id, self.key(b.block_hash)) for b in scheduler_output.filled_blocks]
+            saves = [(b.block_id, b.block_hash) for b in scheduler_output.filled_blocks]
             try:
-                held = self.store.contains([key for _, key in saves])
+                held = self.store.contains([self.key(h) for _, h in saves])
             except Exception as error:
                 logger.warning("KV store lookup failed, not saving this step: %s", error)
                 held = [True] * len(saves)
@@ -139,7 +144,8 @@ class StoreConnector(KVConnectorBase):
         if meta is None or not meta.loads:
             return
         store_error: str | None = None  # once the store fails, the step's other reads are moot
-        for block_id, key in meta.loads:
+        for block_id, block_hash in meta.loads:
+            key = self.key(block_hash)  # this rank's key
             if store_error is not None:
                 self._load_errors[block_id] = f"{key}: {store_error}"
                 continue
@@ -172,7 +178,8 @@ class StoreConnector(KVConnectorBase):
         meta: StoreConnectorMetadata | None = self._metadata
         if meta is None or not meta.saves:
             return
-        for block_id, key in meta.saves:
+        for block_id, block_hash in meta.saves:
+            key = self.key(block_hash)  # this rank's key
             try:
                 with torch.inference_mode():
                     block = torch.stack([cache[:, block_id] for cache in self.kv_caches])

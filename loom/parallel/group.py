@@ -24,6 +24,8 @@ import pickle
 import torch
 import torch.distributed as dist
 
+from loom.errors import TensorParallelError
+
 _IDLE_TIMEOUT = datetime.timedelta(days=3650)
 
 
@@ -52,7 +54,7 @@ class TensorParallelGroup:
         with None, from torch.distributed's environment (`MASTER_ADDR`, `MASTER_PORT`,
         `RANK`, `WORLD_SIZE`, as torchrun sets them). Blocks until every rank has joined."""
         if dist.is_initialized():
-            raise RuntimeError(
+            raise TensorParallelError(
                 "torch.distributed is already initialised in this process: one "
                 "tensor-parallel engine per process (shut the other one down first)")
         backend = "nccl" if device.type == "cuda" else "gloo"
