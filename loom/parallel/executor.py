@@ -24,7 +24,7 @@ others serve steps from inside the engine's constructor until the driver stops, 
 
 Faults: a rank that dies, raises or stops answering fails the step (its requests fail with a
 `TensorParallelError` naming the rank and why); the executor then stops every worker and fails
-each later step at once. Workers die with the driver (PR_SET_PDEATHSIG), ignore Ctrl-C (the
+each later step at once. Workers exit when the driver process is gone, ignore Ctrl-C (the
 driver shuts them down), and `shutdown()` (also run at interpreter exit) ends them all.
 """
 

@@ -17,12 +17,13 @@ sockets fail the other ranks' next collective, and the driver reads the reason.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import pickle
 import signal
 import sys
+import threading
+import time
 import traceback
 
 import torch.distributed as dist
@@ -34,7 +35,6 @@ from loom.runner.rank_runner import RunnerSpec, build_runner, rank_device
 logger = logging.getLogger("loom")
 
 SPEC_KEY = "loom/spec"
-_PR_SET_PDEATHSIG = 1
 
 
 def serve(group: TensorParallelGroup, spec: RunnerSpec, local_rank: int) -> int:
@@ -62,20 +62,25 @@ def serve(group: TensorParallelGroup, spec: RunnerSpec, local_rank: int) -> int:
             group.gather_objects(result.load_errors)
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process when the driver dies (no orphans, even after a
-    SIGKILL of the driver)."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+def _exit_with_parent(poll_s: float = 0.5) -> None:
+    """Exit when the driver process is gone (its sockets also fail this rank's next
+    collective; this covers a worker idle between steps). Polled on a daemon thread: Linux's
+    PR_SET_PDEATHSIG would fire when the driver *thread* that started us ends, which may be
+    any thread of a live driver."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="loom-parent-watch", daemon=True).start()
 
 
 def main(argv: list[str]) -> int:
     """Entry point of a spawned worker (see the module docstring)."""
     rank, world, host, port, local_rank = argv[0], argv[1], argv[2], argv[3], argv[4]
-    _die_with_parent()
+    _exit_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
     logging.basicConfig(level=os.environ.get("LOOM_LOG_LEVEL", "WARNING"))
     store = dist.TCPStore(host, int(port), int(world), is_master=False,

@@ -1,0 +1,121 @@
+"""`loom serve --tensor-parallel-size 2` as a user starts it: a real process whose worker
+answers the openai client with TP=1's text, and whose Ctrl-C ends every worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from loom import LLM, SamplingParams
+
+openai = pytest.importorskip("openai")
+PROMPTS = ["The quick brown fox", "Once upon a time in a land"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_serve_answers_the_openai_client_and_ctrl_c_ends_every_worker(tiny_models):
+    folder, _ = tiny_models["gemma3"]
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "loom.cli", "serve", "--model", str(folder),
+         "--served-model-name", "tiny", "--tensor-parallel-size", "2", "--device", "cpu",
+         "--dtype", "float32", "--num-kv-blocks", "128", "--block-size", "4",
+         "--port", str(port), "--log-level", "warning"],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, f"loom serve exited with {server.returncode}"
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "loom serve did not come up"
+            time.sleep(0.25)
+        workers = _children(server.pid)
+        assert len(workers) == 1
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
+                               timeout=60)
+        response = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=8,
+                                             temperature=0.0)
+        offline = LLM(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=128,
+                      block_size=4).generate(PROMPTS, SamplingParams(max_tokens=8,
+                                                                     temperature=0.0),
+                                             use_tqdm=False)
+        assert [c.text for c in response.choices] == [o.outputs[0].text for o in offline]
+        server.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        assert server.wait(timeout=60) == 0
+        deadline = time.monotonic() + 10
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(w) for w in workers)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+def test_a_killed_driver_leaves_no_worker_behind(tiny_models):
+    """SIGKILL of the driver (no atexit, no shutdown): its worker notices and exits."""
+    folder, _ = tiny_models["qwen2"]
+    script = (
+        "import sys, time\n"
+        "from loom import LLM\n"
+        f"llm = LLM(model={str(folder)!r}, tensor_parallel_size=2, dtype='float32',"
+        " device='cpu', num_kv_blocks=64, block_size=4)\n"
+        "print(llm.engine.executor.workers[0].pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(driver.stdout.readline())
+        assert _alive(worker)
+        driver.kill()
+        driver.wait()
+        deadline = time.monotonic() + 10
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
