@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
                           "float16, bfloat16 or float32")
     gen.add_argument("--num-speculative-tokens", type=int, default=0,
                      help="draft this many tokens per step by n-gram prompt lookup (0: off)")
+    gen.add_argument("--tensor-parallel-size", type=int, default=1,
+                     help="split the model over this many processes (torch.distributed)")
     sub.add_parser("demo", help="run the live-session demo (madlibs)")
     from loom.server.cli import add_serve_parser
 
@@ -62,7 +64,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     llm = LLM(
         model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
         speculative_config=(
             {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
             if args.num_speculative_tokens > 0 else None
@@ -86,6 +88,7 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"--- {out.prompt!r}")
         print(completion.text)
     print(f"[{num_tokens} tokens in {elapsed:.2f} s: {num_tokens / elapsed:.1f} tokens/s]")
+    llm.shutdown()
     return 0
 
 
