@@ -12,6 +12,7 @@ heads under its own keys (the scheduler half looks up rank 0's keys).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +64,17 @@ class StoreConnector(KVConnectorBase):
         """The store key of a block: the KV fingerprint, then the block's chained hash."""
         return f"{self.spec.fingerprint}/{block_hash.hex()}"
 
+    def _held(self, hashes: list[bytes]) -> list[bool]:
+        """Whether the store holds each block for every tensor-parallel rank (each rank's
+        K/V is its own entry, under its own fingerprint): one rank's missing entry makes the
+        block missing, so it is computed and saved again rather than matched and failed."""
+        ranks = self.spec.tensor_parallel_size
+        fingerprints = [dataclasses.replace(self.spec, tensor_parallel_rank=r).fingerprint
+                        for r in range(ranks)] if ranks > 1 else [self.spec.fingerprint]
+        found = self.store.contains([f"{f}/{h.hex()}" for f in fingerprints for h in hashes])
+        n = len(hashes)
+        return [all(found[r * n + i] for r in range(len(fingerprints))) for i in range(n)]
+
     # ---- scheduler side -----------------------------------------------------------------
 
     def get_num_new_matched_tokens(
@@ -76,7 +88,7 @@ class StoreConnector(KVConnectorBase):
             return 0, False
         hashes = request.block_keys(size, last)[first:last]
         try:
-            held = self.store.contains([self.key(h) for h in hashes])
+            held = self._held(hashes)
         except Exception as error:  # an unreachable store must not stop the engine
             logger.warning("KV store lookup failed, computing instead: %s", error)
             return 0, False
@@ -116,7 +128,7 @@ class StoreConnector(KVConnectorBase):
         if self.config.is_producer and scheduler_output.filled_blocks:
             saves = [(b.block_id, b.block_hash) for b in scheduler_output.filled_blocks]
             try:
-                held = self.store.contains([self.key(h) for _, h in saves])
+                held = self._held([h for _, h in saves])
             except Exception as error:
                 logger.warning("KV store lookup failed, not saving this step: %s", error)
                 held = [True] * len(saves)

@@ -9,7 +9,7 @@
        |  (broadcast, control group, once a step)        |
     ModelRunner, shard 0  <==== all-reduce per layer ==> ModelRunner, shard r
                           <==== all-gather of logits ==>
-       |  <--- KV load errors (gather; with a connector) --
+       |  <--- KV load errors, failures (gather; with a connector)
     ModelOutput (logits of the whole vocabulary)
 
 The engine core sees one executor with the same `execute_model` as a `ModelRunner`; the
@@ -93,14 +93,24 @@ class TensorParallelExecutor:
                 self.group.broadcast_object(scheduler_output)
                 result = self.runner.execute_model(scheduler_output)
                 if self.runner.kv_connector is not None:
-                    errors: dict[int, str] = {}
-                    for rank_errors in self.group.gather_objects(result.load_errors) or []:
-                        errors.update(rank_errors)  # type: ignore[arg-type]
-                    result = dataclasses.replace(result, load_errors=errors)
+                    result = self._merge_load_reports(result)
                 return result
             except Exception as error:
                 # The ranks no longer agree where they are in the step: the group is over.
                 raise self._fail(error) from error
+
+    def _merge_load_reports(self, result: ModelOutput) -> ModelOutput:
+        """Every rank's KV load errors and failures on rank 0's output: a block one rank
+        could not load is not loaded (its tokens are recomputed or fail by the policy)."""
+        errors: dict[int, str] = {}
+        failures = []
+        reports = self.group.gather_objects((result.load_errors, result.load_failure)) or []
+        for rank, (rank_errors, failure) in enumerate(reports):  # type: ignore[misc]
+            errors.update(rank_errors)
+            if failure is not None:
+                failures.append(f"rank {rank}: {failure}")
+        return dataclasses.replace(result, load_errors=errors,
+                                   load_failure="; ".join(failures) or None)
 
     def _fail(self, error: Exception) -> TensorParallelError:
         deadline = time.monotonic() + 2.0  # let a dying worker finish dying

@@ -9,7 +9,7 @@ is what the driver starts (`loom.parallel.executor`); under torchrun the ranks a
     repeat:  receive the step's SchedulerOutput from rank 0           (broadcast)
              None: stop
              execute_model: the same forward as every rank, the model's collectives inside
-             with a KV connector: send this rank's load errors to rank 0   (gather)
+             with a KV connector: send this rank's load errors and failure to rank 0
 
 A worker that fails leaves the reason in the store (`report_error`) and exits; its closed
 sockets fail the other ranks' next collective, and the driver reads the reason.
@@ -59,7 +59,7 @@ def serve(group: TensorParallelGroup, spec: RunnerSpec, local_rank: int) -> int:
                                f"{exc}\n{traceback.format_exc()}")
             raise
         if runner.kv_connector is not None:
-            group.gather_objects(result.load_errors)
+            group.gather_objects((result.load_errors, result.load_failure))
 
 
 def _exit_with_parent(poll_s: float = 0.5) -> None:

@@ -32,8 +32,10 @@ NUMERICS = {
     "large_batch_dtype": "bfloat16",
     "arithmetic": "loom-cpu-other",
 }
-# The fields of the weights and the block layout.
-LAYOUT = {"model_id", "block_size", "num_layers", "num_kv_heads", "head_dim"}
+# The weights, the block layout and who wrote it (a tensor-parallel rank stores only its own
+# KV heads; tests/parallel/test_tp_connector.py checks those two fields end to end).
+LAYOUT = {"model_id", "block_size", "num_layers", "num_kv_heads", "head_dim",
+          "tensor_parallel_rank", "tensor_parallel_size"}
 
 
 def shared(path, role):
