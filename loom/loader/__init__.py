@@ -11,6 +11,7 @@ from loom.loader.gguf_file import gguf_is_quantized, load_gguf
 from loom.loader.hf import iter_safetensors, read_hf_config
 from loom.loader.resolve import resolve_model_path
 from loom.loader.source import ModelFiles, ModelSource, WeightIterator
+from loom.models.weight_shard import WeightSelector
 
 
 def locate_model_files(path: str | Path) -> ModelSource:
@@ -29,14 +30,18 @@ def locate_model_files(path: str | Path) -> ModelSource:
     return ModelSource(path, "gguf")
 
 
-def load_model_files(path: str | Path, dtype: torch.dtype | None = None) -> ModelFiles:
-    """Open an HF folder or a .gguf file; unpacks as (hf_config, weights, source)."""
+def load_model_files(path: str | Path, dtype: torch.dtype | None = None,
+                     select: WeightSelector | None = None) -> ModelFiles:
+    """Open an HF folder or a .gguf file; unpacks as (hf_config, weights, source). `select`:
+    the part of each tensor to read (a tensor-parallel rank's shard), where the format lets
+    a reader skip the rest."""
     source = locate_model_files(path)
     if source.format == "hf":
         config = read_hf_config(source.path)
-        weights = iter_safetensors(source.path, dtype)  # lazy: shards are listed on first use
+        # lazy: shards are listed on first use
+        weights = iter_safetensors(source.path, dtype, select)
         return ModelFiles(config, weights, source)
-    config, weights = load_gguf(source.path, dtype)
+    config, weights = load_gguf(source.path, dtype, select)
     return ModelFiles(config, weights, source)
 
 

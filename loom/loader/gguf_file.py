@@ -24,6 +24,7 @@ from loom.loader.gguf_maps import (
 )
 from loom.loader.gguf_reader import GGUFFile
 from loom.loader.source import WeightIterator
+from loom.models.weight_shard import WeightSelector
 
 
 def gguf_architecture(reader: GGUFFile) -> str:
@@ -112,23 +113,39 @@ def _unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def iter_gguf_weights(
-    reader: GGUFFile, config: dict[str, Any], dtype: torch.dtype | None = None
+    reader: GGUFFile, config: dict[str, Any], dtype: torch.dtype | None = None,
+    select: WeightSelector | None = None,
 ) -> WeightIterator:
-    """Yield (hf_name, tensor), dequantised to float32, fixed up, then cast to `dtype`."""
+    """Yield (hf_name, tensor), dequantised to float32, fixed up, then cast to `dtype`. A
+    tensor `select` names a part of is yielded as that part; a part made of whole rows is
+    read and dequantised alone (each row of a quantised tensor is its own blocks)."""
     arch = gguf_architecture(reader)
     for tensor in reader.tensors:
         hf_name = gguf_to_hf_name(arch, tensor.name)
         if hf_name is None:
             continue
         raw = reader.tensor_data(tensor)
+        rule = select(hf_name) if select is not None else None
+        permuted = arch in GGUF_PERMUTED_QK and hf_name.endswith(
+            ("q_proj.weight", "k_proj.weight"))
+        if rule is not None and rule.dim == 0 and not rule.first_rank_only and not permuted:
+            start, stop = rule.span(tensor.shape[0])
+            shape = (stop - start, *tensor.shape[1:])
+            array = np.asarray(dequantize(raw[start:stop], tensor.qtype), dtype=np.float32)
+            yield hf_name, _cast(rule.pad(torch.from_numpy(array.reshape(shape).copy())), dtype)
+            continue
         array = np.asarray(dequantize(raw, tensor.qtype), dtype=np.float32).reshape(tensor.shape)
         w = torch.from_numpy(array.copy())
         if arch in GGUF_NORM_PLUS_ONE and tensor.name.endswith("norm.weight"):
             w = w - 1.0
-        if arch in GGUF_PERMUTED_QK and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+        if permuted:
             key = "num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"
             w = _unpermute_qk(w, int(config[key]))
-        yield hf_name, w if dtype is None else w.to(dtype)
+        yield hf_name, _cast(w if rule is None else rule.apply(w), dtype)
+
+
+def _cast(w: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return w if dtype is None else w.to(dtype)
 
 
 # Tensor types that hold plain floats (a GGUF made only of these is a float checkpoint).
@@ -144,9 +161,9 @@ def gguf_is_quantized(path: Path) -> bool:
 
 
 def load_gguf(
-    path: Path, dtype: torch.dtype | None = None
+    path: Path, dtype: torch.dtype | None = None, select: WeightSelector | None = None
 ) -> tuple[dict[str, Any], WeightIterator]:
     """Config dict and lazy weight iterator of a .gguf file."""
     reader = GGUFFile(path)
     config = gguf_to_hf_config(reader)
-    return config, iter_gguf_weights(reader, config, dtype)
+    return config, iter_gguf_weights(reader, config, dtype, select)

@@ -12,6 +12,7 @@ from safetensors import SafetensorError, safe_open
 
 from loom.errors import InvalidModelError, ModelNotFoundError
 from loom.loader.source import WeightIterator
+from loom.models.weight_shard import ShardRule, WeightSelector
 
 # The safetensors library refuses headers larger than this (a bigger length is corruption).
 _MAX_SAFETENSORS_HEADER = 100_000_000
@@ -92,11 +93,14 @@ def check_safetensors_file(path: Path) -> None:
         raise InvalidModelError(f"{path}: truncated: {size:,} of {expected:,} bytes{hint}")
 
 
-def iter_safetensors(folder: Path, dtype: torch.dtype | None = None) -> WeightIterator:
+def iter_safetensors(folder: Path, dtype: torch.dtype | None = None,
+                     select: WeightSelector | None = None) -> WeightIterator:
     """Yield (name, tensor) from each shard of `folder` in turn, cast to `dtype` when given.
 
     Every shard's header is checked before the first tensor is read, so a truncated or
-    corrupt shard raises `InvalidModelError` (naming it) before any weights load.
+    corrupt shard raises `InvalidModelError` (naming it) before any weights load. A tensor
+    `select` names a part of is read as that part only (a tensor-parallel rank's rows or
+    columns: the file is memory-mapped, so the rest is never read).
     """
     paths = safetensors_files(folder)
     for path in paths:
@@ -109,9 +113,22 @@ def iter_safetensors(folder: Path, dtype: torch.dtype | None = None) -> WeightIt
         with shard as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 try:
-                    tensor = f.get_tensor(name)
+                    rule = select(name) if select is not None else None
+                    tensor = f.get_tensor(name) if rule is None else _read_part(f, name, rule)
                 except SafetensorError as error:
                     raise InvalidModelError(
                         f"{path}: cannot read tensor {name!r} ({error})"
                     ) from None
                 yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def _read_part(f: Any, name: str, rule: ShardRule) -> torch.Tensor:
+    """The part of tensor `name` that `rule` names, reading only that span."""
+    if rule.first_rank_only:
+        return rule.apply(f.get_tensor(name))
+    view = f.get_slice(name)
+    shape = view.get_shape()
+    start, stop = rule.span(shape[rule.dim])
+    index = [slice(None)] * len(shape)
+    index[rule.dim] = slice(start, stop)
+    return rule.pad(view[tuple(index)])

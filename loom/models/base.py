@@ -14,7 +14,7 @@ from loom.errors import InvalidModelError
 from loom.models.config import ModelConfig
 from loom.models.fused_decode import FusedDecoder
 from loom.models.layers import Linear
-from loom.models.weight_shard import ShardRule
+from loom.models.weight_shard import ShardRule, WeightSelector
 
 
 class DecoderBody(nn.Module):
@@ -118,8 +118,20 @@ class CausalLM(nn.Module):
             return None
         return name
 
+    def weight_selector(self) -> WeightSelector:
+        """The loaders' `select`: checkpoint name -> the part of it a sharded parameter holds
+        (None: the whole tensor)."""
+        shards = self.weight_shards
+
+        def select(hf_name: str) -> ShardRule | None:
+            name = self.map_weight_name(hf_name)
+            return None if name is None else shards.get(name)
+
+        return select
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy (hf_name, tensor) pairs into parameters.
+        """Copy (hf_name, tensor) pairs into parameters. A sharded model's stream must come
+        from a loader given `weight_selector()`: its tensors are already this rank's parts.
 
         Raises `InvalidModelError` for a weight with no parameter, a shape the config does not
         expect (a config.json that disagrees with the weights), or a parameter left unset.
@@ -131,7 +143,8 @@ class CausalLM(nn.Module):
             if name is None:
                 continue
             if self.lm_head_from_embedding and name == "model.embed_tokens.weight":
-                self._load_param(params, "lm_head.weight", hf_name, tensor)
+                part = self.weight_shards["lm_head.weight"].apply(tensor)
+                self._load_param(params, "lm_head.weight", hf_name, part)
                 loaded.add("lm_head.weight")
             if name not in params:
                 raise InvalidModelError(
@@ -149,11 +162,8 @@ class CausalLM(nn.Module):
 
     def _load_param(self, params: dict[str, Any], name: str, hf_name: str,
                     tensor: torch.Tensor) -> None:
-        """Copy `tensor` (this rank's slice of it, under tensor parallelism) into `name`."""
+        """Copy `tensor` into parameter `name`."""
         param = params[name]
-        rule = self.weight_shards.get(name)
-        if rule is not None:
-            tensor = rule.apply(tensor)
         got, want = tuple(tensor.shape), tuple(param.shape)
         if got != want:
             raise InvalidModelError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,10 @@ class Shard:
 class ShardRule:
     """The part of a checkpoint tensor a parameter holds: rows or columns [start, stop) of
     `dim` (zero-padded past the tensor's end), or, for a row-parallel bias (`first_rank_only`),
-    the whole tensor on rank 0 and zeros elsewhere (the all-reduce adds it once)."""
+    the whole tensor on rank 0 and zeros elsewhere (the all-reduce adds it once).
+
+    Loaders read only `span(size)` of `dim` where their format allows (`pad` then completes
+    the part) and otherwise cut a whole tensor with `apply`."""
 
     dim: int = 0
     start: int = 0
@@ -43,16 +47,28 @@ class ShardRule:
     first_rank_only: bool = False
     rank: int = 0
 
+    def span(self, size: int) -> tuple[int, int]:
+        """The [start, stop) of `dim` to read from a tensor `size` long there."""
+        start = min(self.start, size)
+        return start, max(start, min(self.stop, size))
+
+    def pad(self, part: torch.Tensor) -> torch.Tensor:
+        """`part` (the `span` read) with zeros past the tensor's end: the padding rows of a
+        vocabulary-parallel output projection."""
+        missing = self.stop - self.start - part.shape[self.dim]
+        if missing <= 0:
+            return part
+        shape = list(part.shape)
+        shape[self.dim] = missing
+        return torch.cat([part, part.new_zeros(shape)], dim=self.dim)
+
     def apply(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of `tensor`."""
+        """This rank's part of a whole `tensor`."""
         if self.first_rank_only:
             return tensor if self.rank == 0 else torch.zeros_like(tensor)
-        size = tensor.shape[self.dim]
-        part = tensor.narrow(self.dim, min(self.start, size),
-                             max(0, min(self.stop, size) - self.start))
-        missing = self.stop - self.start - part.shape[self.dim]
-        if missing > 0:  # the padding rows of a vocabulary-parallel output projection
-            pad = list(part.shape)
-            pad[self.dim] = missing
-            part = torch.cat([part, part.new_zeros(pad)], dim=self.dim)
-        return part
+        start, stop = self.span(tensor.shape[self.dim])
+        return self.pad(tensor.narrow(self.dim, start, stop - start))
+
+
+# Which part of the checkpoint tensor of a given (HF) name to read; None: all of it.
+WeightSelector = Callable[[str], "ShardRule | None"]

@@ -137,11 +137,16 @@ class TensorParallelExecutor:
         """Stop every worker and leave the process group (idempotent)."""
         if self._closed:
             return
-        polite = self._failure is None and self._stepping.acquire(timeout=1.0)
+        idle = self._stepping.acquire(timeout=1.0)
         try:
-            self._stop(polite=polite)
+            if not idle:
+                # A step is in flight on another thread: stopping the workers fails its
+                # collectives at once; the group is torn down only after it has let go.
+                stop_workers(self.workers, grace_s=0.0)
+                idle = self._stepping.acquire(timeout=60.0)
+            self._stop(polite=idle and self._failure is None)
         finally:
-            if polite:
+            if idle:
                 self._stepping.release()
 
     def _stop(self, polite: bool) -> None:
@@ -210,7 +215,8 @@ def _join_torchrun(spec: RunnerSpec, world: int) -> TensorParallelExecutor:
         raise TensorParallelError(
             f"torchrun started {size} processes (WORLD_SIZE) but tensor_parallel_size is "
             f"{world}: start one process per rank")
-    threads = ComputeThreads(int(os.environ.get("OMP_NUM_THREADS") or cores_per_rank(1)))
+    # torchrun sets OMP_NUM_THREADS=1 for several ranks per machine: split the cores instead.
+    threads = ComputeThreads(cores_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     threads.apply()
     group = TensorParallelGroup.create(rank, world, None, rank_device(spec.device, local_rank))
     if rank != 0:

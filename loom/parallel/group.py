@@ -60,6 +60,7 @@ class TensorParallelGroup:
         backend = "nccl" if device.type == "cuda" else "gloo"
         options: dict[str, object] = {"timeout": step_timeout()}
         if device.type == "cuda":
+            torch.cuda.set_device(device)
             options["device_id"] = device
         if store is None:
             dist.init_process_group(backend, init_method="env://", rank=rank,

@@ -71,6 +71,9 @@ def build_model(
     # Construct without allocating or initialising, then fill every parameter from the file.
     with torch.device("meta"):
         model = _construct(model_cls, config, dtype, quantization, shard)
+    if model.weight_shards:  # a rank's shard: read only its parts of the tensors
+        weights = load_model_files(source.path, dtype=_load_dtype(dtype, quantization),
+                                   select=model.weight_selector()).weights
     model = model.to_empty(device=device)
     if model.tie_embeddings:  # to_empty gave the output projection its own (empty) tensor
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -57,7 +57,8 @@ def read_model_config(path: Path) -> ModelConfig:
 
 
 def rank_device(device: str, local_rank: int) -> torch.device:
-    """The device rank `local_rank` (on its machine) computes on."""
+    """The device rank `local_rank` (on its machine) of a tensor-parallel group computes on:
+    GPU `local_rank` on CUDA, the CPU otherwise."""
     dev = torch.device(device)
     if dev.type == "cuda":
         return torch.device("cuda", local_rank)
@@ -69,7 +70,7 @@ def build_runner(spec: RunnerSpec, rank: int = 0, local_rank: int = 0,
     """Load rank `rank`'s part of the model and build its runner (the whole model when
     `spec.tensor_parallel_size` is 1; `group` carries the collectives otherwise)."""
     world = spec.tensor_parallel_size
-    device = rank_device(spec.device, local_rank)
+    device = rank_device(spec.device, local_rank) if world > 1 else torch.device(spec.device)
     shard = Shard(rank, world) if world > 1 else None
     model_config, model = build_model(spec.model_path, _DTYPES[spec.dtype], device,
                                       spec.quantization, shard=shard)

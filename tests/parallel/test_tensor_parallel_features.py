@@ -164,3 +164,33 @@ def test_a_model_that_does_not_split_is_refused_before_anything_starts(tiny_mode
                          hf={"intermediate_size": 96})
     with pytest.raises(UnsupportedModelError, match="3 KV heads"):
         check_shardable(config, 2)
+
+
+def test_shutdown_during_a_step_on_another_thread_ends_cleanly(tiny_models):
+    """The server's case: steps run on a thread while shutdown comes from another. The
+    in-flight step fails its requests, shutdown returns, and no worker is left."""
+    import threading
+
+    folder, _ = tiny_models["llama"]
+    two = make_engine(folder, tensor_parallel_size=2)
+    (worker,) = two.executor.workers
+    two.add_request("long", prompt_ids(8), SamplingParams(temperature=0.0, max_tokens=10_000,
+                                                          ignore_eos=True))
+    outs, stop = [], threading.Event()
+
+    def step_forever():
+        while not stop.is_set() and two.has_unfinished_requests():
+            outs.extend(two.step())
+
+    stepper = threading.Thread(target=step_forever)
+    stepper.start()
+    time.sleep(1.0)
+    started = time.monotonic()
+    two.shutdown()
+    assert time.monotonic() - started < 30
+    stop.set()
+    stepper.join(timeout=30)
+    assert not stepper.is_alive()
+    assert worker.poll() is not None
+    last = [o for o in outs if o.request_id == "long"][-1]
+    assert last.finished and last.outputs[0].finish_reason == "error"
