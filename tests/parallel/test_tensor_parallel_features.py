@@ -90,18 +90,22 @@ def test_promise_sync_and_ngram_drafts(tiny_models):
         two.shutdown()
 
 
-def test_w8a8_shards_are_quantised_per_shard_and_batch_invariant(tiny_models):
-    """int8 weights and activations under TP=2: each shard has its own scales, so the logits
-    differ from TP=1's by quantisation noise only; and a request's logprobs are the same
-    bits alone and batched with others (the default mode's invariance holds per rank, and
-    the all-reduce of two partial sums is one addition)."""
+@pytest.mark.parametrize("quantization", ["int8", "w8a8"])
+def test_int8_shards_are_quantised_per_shard_and_w8a8_is_batch_invariant(tiny_models,
+                                                                        quantization):
+    """int8 weights (and, in w8a8, activations) under TP=2: each shard has its own scales,
+    so the logits differ from the float model's by quantisation noise only; and in w8a8 a
+    request's logprobs are the same bits alone and batched with others (the default mode's
+    invariance holds per rank, and the all-reduce of two partial sums is one addition)."""
     folder, hf = tiny_models["llama"]
-    two = make_engine(folder, tensor_parallel_size=2, quantization="w8a8")
+    two = make_engine(folder, tensor_parallel_size=2, quantization=quantization)
     try:
         tokens = prompt_ids(11, offset=5)
         got = _last_logits(two, "q", tokens)
         ref = hf_last_logits(hf, tokens)
         assert (got - ref).abs().max() < 0.05 * ref.abs().max()
+        if quantization == "int8":
+            return
         probe = SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True)
         two.add_request("alone", tokens, probe)
         alone = run_to_completion(two)["alone"].outputs[0]
