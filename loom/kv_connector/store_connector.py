@@ -7,7 +7,7 @@ prefill). Every block a step fills is saved after the forward unless the store h
 
 The step's metadata names blocks by their chained hash, not by key: each worker half keys them
 with its own fingerprint, so under tensor parallelism every rank loads and saves its own KV
-heads under its own keys (the scheduler half looks up rank 0's keys).
+heads under its own keys (the scheduler half looks up every rank's).
 """
 
 from __future__ import annotations
@@ -55,6 +55,10 @@ class StoreConnector(KVConnectorBase):
         self._load_errors: dict[int, str] = {}
         self.num_saved_blocks = 0
         self.num_save_errors = 0
+        # The fingerprint of every tensor-parallel rank's entries (one without parallelism).
+        self._rank_fingerprints = [
+            dataclasses.replace(spec, tensor_parallel_rank=r).fingerprint
+            for r in range(spec.tensor_parallel_size)]
 
     def make_store(self, extra_config: dict[str, Any]) -> KVStore:
         """The store this connector reads and writes."""
@@ -68,9 +72,7 @@ class StoreConnector(KVConnectorBase):
         """Whether the store holds each block for every tensor-parallel rank (each rank's
         K/V is its own entry, under its own fingerprint): one rank's missing entry makes the
         block missing, so it is computed and saved again rather than matched and failed."""
-        ranks = self.spec.tensor_parallel_size
-        fingerprints = [dataclasses.replace(self.spec, tensor_parallel_rank=r).fingerprint
-                        for r in range(ranks)] if ranks > 1 else [self.spec.fingerprint]
+        fingerprints = self._rank_fingerprints
         found = self.store.contains([f"{f}/{h.hex()}" for f in fingerprints for h in hashes])
         n = len(hashes)
         return [all(found[r * n + i] for r in range(len(fingerprints))) for i in range(n)]
