@@ -30,11 +30,16 @@ from loom.parallel.executor import launch as launch_tensor_parallel
 from loom.runner.decode_graphs import graph_batch_sizes
 from loom.runner.executor import Executor
 from loom.runner.model_runner import kv_cache_bytes_per_block
-from loom.runner.rank_runner import RunnerSpec, build_runner, read_model_config
+from loom.runner.rank_runner import (
+    TORCH_DTYPES,
+    RunnerSpec,
+    build_runner,
+    read_model_config,
+    torch_dtype,
+)
 from loom.spec_decode import SpeculativeConfig
 from loom.tokenizer import Tokenizer, load_tokenizer
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Upper bound on pool size chosen from a memory budget (a tiny model would get millions).
 _MAX_AUTO_BLOCKS = 16_384
 logger = logging.getLogger("loom")
@@ -55,9 +60,9 @@ def resolve_mode(args: EngineArgs, model_path: Path, device: str) -> tuple[Execu
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from None
     for name, value in (("dtype", args.dtype), ("kv_cache_dtype", args.kv_cache_dtype)):
-        if normalize_dtype(value) not in (*_DTYPES, "auto"):
+        if normalize_dtype(value) not in (*TORCH_DTYPES, "auto"):
             raise InvalidRequestError(
-                f"unsupported {name} {value!r}; choose 'auto' or one of {sorted(_DTYPES)}"
+                f"unsupported {name} {value!r}; choose 'auto' or one of {sorted(TORCH_DTYPES)}"
             )
     host = HostInfo.detect(device)
     quantized = quantization == "auto" and weights_are_quantized(model_path)
@@ -91,11 +96,6 @@ def resolve_speculative_config(
             f"'num_speculative_tokens': 4}}, got {type(value).__name__}"
         )
     return SpeculativeConfig.from_dict(value)
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype for a resolved dtype name."""
-    return _DTYPES[name]
 
 
 def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, Executor, Tokenizer]:

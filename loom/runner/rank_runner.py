@@ -27,7 +27,13 @@ from loom.runner.model_runner import ModelRunner
 if TYPE_CHECKING:
     from loom.parallel.group import TensorParallelGroup
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The dtypes a resolved mode names (`EngineConfig.dtype`, `kv_cache_dtype`, ...).
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a resolved dtype name."""
+    return TORCH_DTYPES[name]
 
 
 @dataclass(frozen=True)
@@ -72,17 +78,17 @@ def build_runner(spec: RunnerSpec, rank: int = 0, local_rank: int = 0,
     world = spec.tensor_parallel_size
     device = rank_device(spec.device, local_rank) if world > 1 else torch.device(spec.device)
     shard = Shard(rank, world) if world > 1 else None
-    model_config, model = build_model(spec.model_path, _DTYPES[spec.dtype], device,
+    model_config, model = build_model(spec.model_path, torch_dtype(spec.dtype), device,
                                       spec.quantization, shard=shard)
     if spec.large_batch_dtype is not None:
-        set_large_batch_dtype(model, _DTYPES[spec.large_batch_dtype])
+        set_large_batch_dtype(model, torch_dtype(spec.large_batch_dtype))
     if group is not None:
         attach_collectives(model, group)
     local_config = local_model_config(model_config, world)
     runner = ModelRunner(
-        local_config, model, device, _DTYPES[spec.dtype], spec.num_blocks, spec.block_size,
+        local_config, model, device, torch_dtype(spec.dtype), spec.num_blocks, spec.block_size,
         attention_backend=spec.attention_backend,
-        kv_cache_dtype=_DTYPES[spec.kv_cache_dtype],
+        kv_cache_dtype=torch_dtype(spec.kv_cache_dtype),
         decode_graph_sizes=None if spec.decode_graph_sizes is None
         else list(spec.decode_graph_sizes),
         max_model_len=spec.max_model_len, verify_tokens=spec.verify_tokens,
