@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from loom.engine.config import EngineArgs
 from loom.engine.llm_engine import LLMEngine
 from loom.engine.outputs import RequestOutput
@@ -25,6 +27,24 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict[str, R
         for out in engine.step():
             last[out.request_id] = out
     raise AssertionError("engine did not finish")
+
+
+def settle_session(engine: LLMEngine, rid: str, max_steps: int = 1000) -> None:
+    """Step until session `rid` is paused (its tokens computed, its last logits stored)."""
+    for _ in range(max_steps):
+        if engine.get_session(rid).status == "PAUSED":
+            return
+        engine.step()
+    raise AssertionError(f"session {rid} never paused")
+
+
+def session_logits(engine: LLMEngine, rid: str, tokens: list[int]) -> torch.Tensor:
+    """The last logits of a fresh session over `tokens` (opened as `rid`, then closed)."""
+    engine.add_request(rid, tokens, session=True)
+    settle_session(engine, rid)
+    logits = engine.get_logits(rid).clone()
+    engine.close(rid)
+    return logits
 
 
 def prompt_ids(n: int, offset: int = 0, vocab: int = 500) -> list[int]:

@@ -11,16 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from processes import free_port
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 10.0
-
-
-def _free_port() -> int:
-    """A loopback port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def _ping(port: int) -> bool:
@@ -64,7 +58,7 @@ class RedisServer:
 
 def _start(binary: str, folder: Path) -> RedisServer:
     """Start a server on a free port in `folder`; wait until it answers PING."""
-    port = _free_port()
+    port = free_port(HOST)
     log = folder / "redis.log"
     args = [binary, "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no",
             "--dir", str(folder), "--logfile", str(log), "--daemonize", "no"]

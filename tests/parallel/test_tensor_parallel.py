@@ -9,29 +9,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine.helpers import make_engine, prompt_ids, run_to_completion
+from engine.helpers import (
+    make_engine,
+    prompt_ids,
+    run_to_completion,
+    session_logits,
+    settle_session,
+)
 from tiny_reference import TINY_ARCHS, hf_greedy, hf_last_logits
 
 from loom import SamplingParams
 
 ATOL = 1e-5  # float32 TP=2 against TP=1 (a sum split in two, then added: rounding only)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-
-
-def _settle_session(engine, rid):
-    for _ in range(1000):
-        if engine.get_session(rid).status == "PAUSED":
-            return
-        engine.step()
-    raise AssertionError(f"session {rid} never paused")
-
-
-def _last_logits(engine, rid, tokens):
-    engine.add_request(rid, tokens, session=True)
-    _settle_session(engine, rid)
-    logits = engine.get_logits(rid).clone()
-    engine.close(rid)
-    return logits
 
 
 @pytest.fixture(scope="module", params=TINY_ARCHS)
@@ -50,8 +40,8 @@ def test_logits_equal_one_device_and_tokens_equal_transformers(pair):
     assert two.config.tensor_parallel_size == 2 and "tensor parallel 2" in two.config.mode_summary
     for n in (3, 17):
         tokens = prompt_ids(n, offset=n)
-        got = _last_logits(two, f"l{n}", tokens)
-        torch.testing.assert_close(got, _last_logits(one, f"l{n}", tokens), atol=ATOL, rtol=0)
+        got = session_logits(two, f"l{n}", tokens)
+        torch.testing.assert_close(got, session_logits(one, f"l{n}", tokens), atol=ATOL, rtol=0)
         torch.testing.assert_close(got, hf_last_logits(hf, tokens), atol=1e-4, rtol=0)
     prompt = prompt_ids(7)
     two.add_request("g", prompt, GREEDY)
@@ -65,17 +55,17 @@ def test_a_live_session_equals_a_fresh_forward(pair):
     over the session's tokens on TP=2, on TP=1 and in transformers."""
     one, two, hf = pair
     two.add_request("s", prompt_ids(6), session=True)
-    _settle_session(two, "s")
+    settle_session(two, "s")
     for fragment in (prompt_ids(5, offset=40), prompt_ids(9, offset=80)):
         two.resume("s", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-        _settle_session(two, "s")
+        settle_session(two, "s")
         two.append("s", fragment)
-        _settle_session(two, "s")
+        settle_session(two, "s")
     tokens = list(two.get_session("s").token_ids)
     assert len(tokens) == 6 + 4 + 5 + 4 + 9
     stored = two.get_logits("s")
-    torch.testing.assert_close(stored, _last_logits(two, "fresh", tokens), atol=ATOL, rtol=0)
-    torch.testing.assert_close(stored, _last_logits(one, "fresh", tokens), atol=ATOL, rtol=0)
+    torch.testing.assert_close(stored, session_logits(two, "fresh", tokens), atol=ATOL, rtol=0)
+    torch.testing.assert_close(stored, session_logits(one, "fresh", tokens), atol=ATOL, rtol=0)
     torch.testing.assert_close(stored, hf_last_logits(hf, tokens), atol=1e-4, rtol=0)
     two.close("s")
     assert two.kv_pool_all_free

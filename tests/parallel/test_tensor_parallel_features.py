@@ -13,8 +13,9 @@ import time
 
 import pytest
 import torch
-from engine.helpers import make_engine, prompt_ids, run_to_completion
+from engine.helpers import make_engine, prompt_ids, run_to_completion, session_logits
 from engine.test_hooks import Script, child_plan, params, parent_plan
+from processes import alive
 from tiny_reference import hf_greedy, hf_last_logits
 
 from loom import SamplingParams
@@ -24,17 +25,6 @@ from loom.models.config import ModelConfig
 from loom.models.tensor_parallel import check_shardable
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-
-
-def _last_logits(engine, rid, tokens):
-    engine.add_request(rid, tokens, session=True)
-    for _ in range(1000):
-        if engine.get_session(rid).status == "PAUSED":
-            break
-        engine.step()
-    logits = engine.get_logits(rid).clone()
-    engine.close(rid)
-    return logits
 
 
 def test_preemption_on_a_small_pool(tiny_models):
@@ -101,7 +91,7 @@ def test_int8_shards_are_quantised_per_shard_and_w8a8_is_batch_invariant(tiny_mo
     two = make_engine(folder, tensor_parallel_size=2, quantization=quantization)
     try:
         tokens = prompt_ids(11, offset=5)
-        got = _last_logits(two, "q", tokens)
+        got = session_logits(two, "q", tokens)
         ref = hf_last_logits(hf, tokens)
         assert (got - ref).abs().max() < 0.05 * ref.abs().max()
         if quantization == "int8":
@@ -147,17 +137,7 @@ def test_a_killed_worker_fails_the_running_requests_and_leaves_no_process(tiny_m
     finally:
         two.shutdown()
     assert worker.poll() is not None
-    assert not os.path.exists(f"/proc/{worker.pid}/status") or _is_zombie_free(worker.pid)
-
-
-def _is_zombie_free(pid: int) -> bool:
-    """A pid still listed belongs to someone else now (it was reaped)."""
-    time.sleep(0.1)
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return "Z (zombie)" not in f.read()
-    except FileNotFoundError:
-        return True
+    assert not alive(worker.pid)  # gone, not left a zombie
 
 
 def test_a_model_that_does_not_split_is_refused_before_anything_starts(tiny_models):

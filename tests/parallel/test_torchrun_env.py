@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
+
+from processes import free_port
 
 from loom import LLM, SamplingParams
 
@@ -42,12 +43,6 @@ llm.shutdown()
 """
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tail(path: Path) -> str:
     return path.read_text(errors="replace")[-3000:] if path.exists() else "(no output)"
 
@@ -56,7 +51,7 @@ def test_two_processes_with_torchruns_environment_equal_one_device(tiny_models, 
     folder, _ = tiny_models["qwen2"]
     script = tmp_path / "tp_script.py"
     script.write_text(SCRIPT)
-    port = _free_port()
+    port = free_port()
     procs: list[subprocess.Popen] = []
     logs = [tmp_path / f"rank{rank}.log" for rank in range(2)]
     try:

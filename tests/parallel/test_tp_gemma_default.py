@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine.helpers import run_to_completion
+from engine.helpers import run_to_completion, settle_session
 from tiny_reference import GEMMA_PROMPTS as PROMPTS
 
 from loom import SamplingParams
@@ -35,8 +35,7 @@ def _forced_logits(engine, prompt_ids, tokens):
     rows = []
     engine.add_request("forced", list(prompt_ids), session=True)
     for token in [*tokens, None]:
-        while engine.get_session("forced").status != "PAUSED":
-            engine.step()
+        settle_session(engine, "forced")
         rows.append(engine.get_logits("forced").clone())
         if token is not None:
             engine.append("forced", [token])

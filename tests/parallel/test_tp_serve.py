@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from processes import alive, children, free_port
 
 from loom import LLM, SamplingParams
 
@@ -20,38 +19,9 @@ openai = pytest.importorskip("openai")
 PROMPTS = ["The quick brown fox", "Once upon a time in a land"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _children(pid: int) -> list[int]:
-    """Processes whose parent is `pid` (from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(entry.name))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def test_serve_answers_the_openai_client_and_ctrl_c_ends_every_worker(tiny_models):
     folder, _ = tiny_models["gemma3"]
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "loom.cli", "serve", "--model", str(folder),
          "--served-model-name", "tiny", "--tensor-parallel-size", "2", "--device", "cpu",
@@ -71,7 +41,7 @@ def test_serve_answers_the_openai_client_and_ctrl_c_ends_every_worker(tiny_model
                 pass
             assert time.monotonic() < deadline, "loom serve did not come up"
             time.sleep(0.25)
-        workers = _children(server.pid)
+        workers = children(server.pid)
         assert len(workers) == 1
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
                                timeout=60)
@@ -85,9 +55,9 @@ def test_serve_answers_the_openai_client_and_ctrl_c_ends_every_worker(tiny_model
         server.send_signal(signal.SIGINT)  # what Ctrl-C sends
         assert server.wait(timeout=60) == 0
         deadline = time.monotonic() + 10
-        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        while any(alive(w) for w in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(_alive(w) for w in workers)
+        assert not any(alive(w) for w in workers)
     finally:
         if server.poll() is None:
             server.kill()
@@ -108,13 +78,13 @@ def test_a_killed_driver_leaves_no_worker_behind(tiny_models):
     driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         worker = int(driver.stdout.readline())
-        assert _alive(worker)
+        assert alive(worker)
         driver.kill()
         driver.wait()
         deadline = time.monotonic() + 10
-        while _alive(worker) and time.monotonic() < deadline:
+        while alive(worker) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _alive(worker)
+        assert not alive(worker)
     finally:
         if driver.poll() is None:
             driver.kill()

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from processes import free_port
 
 uvicorn = pytest.importorskip("uvicorn")
 
@@ -26,12 +26,6 @@ class RunningServer:
     def llm_engine(self):
         """The synchronous engine inside."""
         return self.engine.engine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -51,7 +45,7 @@ def run_server(engine_args, **server_config) -> Iterator[RunningServer]:
         engine = AsyncLLMEngine.from_engine_args(engine_args)
     server_config.setdefault("served_model_name", "test-model")
     app = build_app(engine, ServerConfig(**server_config))
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -1,0 +1,39 @@
+"""Helpers for tests that start servers and processes: a free loopback port, and which
+processes are alive or whose children they are (read from /proc)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now on `host` (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/<pid>/stat after the command name (state, ppid, ...), or None when gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = _stat_fields(entry.name)
+            if fields is not None and int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
