@@ -76,11 +76,6 @@ class TensorParallelExecutor:
         """Rank 0's worker half of the KV connector (its counters), or None."""
         return self.runner.kv_connector
 
-    @property
-    def world_size(self) -> int:
-        """How many ranks share the model."""
-        return self.group.world_size
-
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelOutput:
         """Run the step on every rank; rank 0's output, with every rank's load errors."""
         if self._failure is not None:

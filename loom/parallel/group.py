@@ -39,13 +39,12 @@ class TensorParallelGroup:
 
     def __init__(self, rank: int, world_size: int, device: torch.device,
                  store: dist.Store | None,
-                 control: dist.ProcessGroup, device_group: dist.ProcessGroup | None) -> None:
+                 control: dist.ProcessGroup) -> None:
         self.rank = rank
         self.world_size = world_size
         self.device = device
         self.store = store
         self._control = control
-        self._device_group = device_group  # None: the default (world) group
 
     @classmethod
     def create(cls, rank: int, world_size: int, store: dist.Store | None,
@@ -69,20 +68,20 @@ class TensorParallelGroup:
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                     **options)
         control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
-        return cls(rank, world_size, device, store, control, None)
+        return cls(rank, world_size, device, store, control)
 
     # ---- inside the model (every rank, the same calls in the same order) -------------------
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum x over the ranks, in place; returns x."""
-        dist.all_reduce(x, group=self._device_group)
+        dist.all_reduce(x)  # the device group is the default (world) group
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x side by side along the last dimension, in rank order."""
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x, group=self._device_group)
+        dist.all_gather(parts, x)
         return torch.cat(parts, dim=-1)
 
     # ---- between steps (the control group) ------------------------------------------------
