@@ -48,7 +48,10 @@ def _tanh(x):
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
-@triton.jit
+# Triton compiles a kernel again for every new combination of its integer arguments' value
+# classes (== 1, divisible by 16); these change from step to step (the token count, the
+# widest block table), so they are not specialised: one compile per tile shape, not per step.
+@triton.jit(do_not_specialize=["window", "num_rows", "max_blocks"])
 def _attend_part(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, q_start_ptr, work_seq_ptr, work_qoff_ptr,
     real_lens_ptr, out_ptr, acc_ptr, m_ptr, l_ptr,
@@ -136,7 +139,7 @@ def _attend_part(
         tl.store(l_ptr + part_row, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_parts"])
 def _merge_parts(
     acc_ptr, m_ptr, l_ptr, out_ptr, num_rows, num_parts,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -263,6 +266,8 @@ def paged_attention(
     if not single:
         _merge_parts[(num_rows,)](
             acc, m, lsum, out, num_rows, plan.num_parts,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_P=max(2, _next_pow2(plan.num_parts)),
+            # One width for every split (masked past num_parts): one compile, not one per
+            # power of two the steps' splits reach.
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_P=_next_pow2(MAX_PARTS),
         )
     return out

@@ -116,6 +116,7 @@ class DecodeGraphRunner:
         self._max_model_len = max_model_len
         self._steps: dict[int, Callable[[], torch.Tensor]] = {}
         self._pool: object | None = None
+        self._graph_inputs: list[object] = []  # what the captured graphs read; see _prepare
         self.steps_run = 0  # steps served from the buckets (a statistic)
         # Marks when the last step's inputs left the pinned host buffer (CUDA only): the
         # next step waits for it before rewriting the buffer.
@@ -199,6 +200,12 @@ class DecodeGraphRunner:
         with torch.cuda.graph(graph, pool=self._pool):
             logits = forward()
         self._pool = graph.pool()
+
+        # A graph holds raw addresses, not tensors: every tensor it reads that was made
+        # outside it (the plan's work items above all) must live as long as the graph, or the
+        # allocator hands its memory to a later step and the replay reads that step's data
+        # (on an H100: a wrong first token, then an illegal address).
+        self._graph_inputs.append((md, plans))
 
         def replay() -> torch.Tensor:
             graph.replay()

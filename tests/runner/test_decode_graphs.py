@@ -34,10 +34,14 @@ def test_graph_batch_sizes():
 
 
 def _poison(engine):
-    """Fill the KV pool with NaN: the pool is left unwritten (not zeroed) for these kernels, so
-    any read of a slot no step wrote would now spoil the outputs, not only by chance."""
-    for cache in engine.runner.kv_caches:
-        cache.fill_(float("nan"))
+    """Fill the KV pool with NaN where the backend leaves it unwritten (not zeroed), so any
+    read of a slot no step wrote would now spoil the outputs, not only by chance. A backend
+    that reads unwritten slots (the torch reference on CUDA gathers whole blocks and masks
+    them) is given a zeroed pool, and its pool stays as given."""
+    runner = engine.runner
+    if runner.backend.reads_only_written_slots(runner.dtype, runner.kv_cache_dtype):
+        for cache in runner.kv_caches:
+            cache.fill_(float("nan"))
 
 
 def _generate(folder, prompts, **kwargs):
