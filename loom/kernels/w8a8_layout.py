@@ -14,16 +14,27 @@ import torch
 PACKED_COLUMNS = 8
 
 
+# Bytes of weights `to_packed_layout` rearranges at a time (its temporaries stay this size).
+_PACK_SLICE = 1 << 24
+
+
 def to_packed_layout(w_int8: torch.Tensor) -> torch.Tensor:
     """[N, K] int8 -> the w8a8 kernel's layout: uint8 [ceil(N/8), K/4, 8, 4] holding w + 128,
     columns in groups of 8, each group's K in steps of 4 (the last group padded with zero
-    weights). See `w8a8_body` in cpu_kernels.c."""
+    weights). See `w8a8_body` in cpu_kernels.c. Converted a slice of groups at a time."""
     n, k = w_int8.shape
     groups = -(-n // PACKED_COLUMNS)
-    padded = torch.zeros(groups * PACKED_COLUMNS, k, dtype=torch.int16)
-    padded[:n] = w_int8.to(torch.int16)
-    packed = padded.view(groups, PACKED_COLUMNS, k // 4, 4).permute(0, 2, 1, 3) + 128
-    return packed.to(torch.uint8).contiguous()
+    packed = torch.empty((groups, k // 4, PACKED_COLUMNS, 4), dtype=torch.uint8)
+    step = max(1, _PACK_SLICE // (PACKED_COLUMNS * k))
+    for first in range(0, groups, step):
+        count = min(step, groups - first)
+        rows = torch.full((count * PACKED_COLUMNS, k), 128, dtype=torch.uint8)  # zero weights
+        real = w_int8[first * PACKED_COLUMNS : (first + count) * PACKED_COLUMNS]
+        # w + 128 as an unsigned byte is the two's-complement byte with its top bit flipped.
+        rows[: real.shape[0]] = real.contiguous().view(torch.uint8) ^ 0x80
+        packed[first : first + count] = rows.view(count, PACKED_COLUMNS, k // 4, 4).permute(
+            0, 2, 1, 3)
+    return packed
 
 
 def from_packed_layout(packed: torch.Tensor, n: int) -> torch.Tensor:

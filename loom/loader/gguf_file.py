@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -131,17 +132,50 @@ def iter_gguf_weights(
         if rule is not None and rule.dim == 0 and not rule.first_rank_only and not permuted:
             start, stop = rule.span(tensor.shape[0])
             shape = (stop - start, *tensor.shape[1:])
-            array = np.asarray(dequantize(raw[start:stop], tensor.qtype), dtype=np.float32)
-            yield hf_name, _cast(rule.pad(torch.from_numpy(array.reshape(shape).copy())), dtype)
+            part = _float_tensor(dequantize(raw[start:stop], tensor.qtype), shape)
+            yield hf_name, _cast(rule.pad(part), dtype)
             continue
-        array = np.asarray(dequantize(raw, tensor.qtype), dtype=np.float32).reshape(tensor.shape)
-        w = torch.from_numpy(array.copy())
+        w = _dequantize_by_rows(raw, tensor.qtype, tuple(tensor.shape))
+        del raw
+        reader.release(tensor)  # its values are copied out
         if arch in GGUF_NORM_PLUS_ONE and tensor.name.endswith("norm.weight"):
             w = w - 1.0
         if permuted:
             key = "num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"
             w = _unpermute_qk(w, int(config[key]))
         yield hf_name, _cast(w if rule is None else rule.apply(w), dtype)
+
+
+# Elements `_dequantize_by_rows` converts at a time: gguf's dequantisers make several
+# temporaries of their output's size, so a whole 128k-row embedding at once would briefly
+# need a few times its float32 size.
+_DEQUANTIZE_SLICE = 1 << 20
+
+
+def _dequantize_by_rows(raw: np.ndarray, qtype: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor's raw data dequantised to float32 `shape`, a slice of rows at a time into one
+    preallocated tensor (each row of a quantised tensor is its own blocks, so the values are
+    those of one whole call)."""
+    rows = shape[0] if len(shape) == 2 else 0
+    if rows < 2 or math.prod(shape) <= _DEQUANTIZE_SLICE:
+        return _float_tensor(dequantize(raw, qtype), shape)
+    out = torch.empty(shape, dtype=torch.float32)
+    step = max(1, _DEQUANTIZE_SLICE // shape[1])
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        part = np.asarray(dequantize(raw[start:stop], qtype), dtype=np.float32)
+        out[start:stop] = torch.from_numpy(part.reshape(stop - start, shape[1]))
+    return out
+
+
+def _float_tensor(array: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """A dequantised array as a float32 tensor of `shape`, copied only where it must be: a
+    float32 result the dequantiser made is taken as it is (a read-only view of the mapped
+    file, as an F32 tensor's is, is copied, since tensors must be writable)."""
+    array = np.asarray(array, dtype=np.float32).reshape(shape)
+    if not array.flags.writeable or not array.flags.c_contiguous:
+        array = np.array(array, dtype=np.float32, order="C")
+    return torch.from_numpy(array)
 
 
 def _cast(w: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -7,7 +7,9 @@ The model loader and the GGUF tokenizer converter both read files through it.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,6 +218,20 @@ class GGUFFile:
         for _ in range(index):
             _, pos = self._value(array.item_type, pos)
         return self._value(array.item_type, pos)[0]
+
+    def release(self, info: GGUFTensorInfo) -> None:
+        """Drop the mapped pages of a tensor whose data has been copied out from this
+        process's resident memory (they are clean file pages: a later read maps them again
+        from the page cache). A first load reads each tensor once, so the file's pages do
+        not add up in its peak."""
+        mapped = getattr(self._buf, "_mmap", None)
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if mapped is None or advice is None or info.nbytes == 0:
+            return
+        start = info.offset - info.offset % mmap.PAGESIZE
+        end = min(self.size, info.offset + info.nbytes)
+        with contextlib.suppress(OSError, ValueError):  # advice is only advice
+            mapped.madvise(advice, start, end - start)
 
     def tensor_data(self, info: GGUFTensorInfo) -> np.ndarray:
         """The raw (read-only, memory-mapped) data in the layout `gguf.quants.dequantize` takes."""

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -129,46 +128,89 @@ class CausalLM(nn.Module):
 
         return select
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        on_loaded: Callable[[str], None] | None = None,
+        materialize_on: torch.device | str = "cpu",
+    ) -> None:
         """Copy (hf_name, tensor) pairs into parameters. A sharded model's stream must come
         from a loader given `weight_selector()`: its tensors are already this rank's parts.
+
+        A parameter still on the meta device is allocated (on `materialize_on`) when its
+        tensor arrives, so a model built on the meta device holds only what has loaded so
+        far; `on_loaded(name)` runs after each parameter is filled (the loader prepares a
+        layer as soon as its last weight is in, see `loom.runner.loading`).
 
         Raises `InvalidModelError` for a weight with no parameter, a shape the config does not
         expect (a config.json that disagrees with the weights), or a parameter left unset.
         """
-        params: dict[str, Any] = dict(self.named_parameters())
+        # Parameters not loaded yet. A loaded one is dropped from here at once, so that a
+        # layer the loader prepares (and replaces) while loading frees its float weights.
+        pending: dict[str, nn.Parameter] = dict(self.named_parameters())
         loaded: set[str] = set()
+
+        def fill(name: str, hf_name: str, tensor: torch.Tensor) -> None:
+            if name in loaded:
+                raise InvalidModelError(f"checkpoint holds weight {hf_name!r} twice")
+            self._load_param(name, pending.pop(name), hf_name, tensor, materialize_on)
+            loaded.add(name)
+            if on_loaded is not None:
+                on_loaded(name)
+
         for hf_name, tensor in weights:
             name = self.map_weight_name(hf_name)
             if name is None:
                 continue
             if self.lm_head_from_embedding and name == "model.embed_tokens.weight":
                 part = self.weight_shards["lm_head.weight"].apply(tensor)
-                self._load_param(params, "lm_head.weight", hf_name, part)
-                loaded.add("lm_head.weight")
-            if name not in params:
+                fill("lm_head.weight", hf_name, part)
+            if name not in pending and name not in loaded:
                 raise InvalidModelError(
                     f"checkpoint weight {hf_name!r} has no parameter {name!r} in"
                     f" {type(self).__name__}"
                 )
-            self._load_param(params, name, hf_name, tensor)
-            loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if missing:
+            fill(name, hf_name, tensor)
+            del tensor  # the stream's reference: the parameter (or its prepared form) holds it
+        if pending:
+            missing = sorted(pending)
             raise InvalidModelError(
                 f"checkpoint lacks weights for {len(missing)} parameters of"
                 f" {type(self).__name__}: {missing[:5]}"
             )
 
-    def _load_param(self, params: dict[str, Any], name: str, hf_name: str,
-                    tensor: torch.Tensor) -> None:
-        """Copy `tensor` into parameter `name`."""
-        param = params[name]
+    def _load_param(self, name: str, param: nn.Parameter, hf_name: str,
+                    tensor: torch.Tensor, materialize_on: torch.device | str) -> None:
+        """Copy `tensor` into parameter `name` (allocating it first if it is on meta, or
+        taking `tensor` itself as its storage where it can)."""
         got, want = tuple(tensor.shape), tuple(param.shape)
         if got != want:
             raise InvalidModelError(
                 f"tensor {hf_name!r} has shape {got}, config expects {want}"
                 " (the model config and the weights disagree)"
             )
+        if param.is_meta:
+            owner_name, _, attr = name.rpartition(".")
+            if _owns_its_storage(tensor, param.dtype, torch.device(materialize_on)):
+                data = tensor.detach()  # the loader's fresh tensor becomes the parameter
+            else:
+                data = torch.empty(want, dtype=param.dtype, device=materialize_on)
+                with torch.no_grad():
+                    data.copy_(tensor)
+            setattr(self.get_submodule(owner_name), attr, nn.Parameter(data, requires_grad=False))
+            return
         with torch.no_grad():
             param.copy_(tensor)
+
+
+def _owns_its_storage(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `tensor` can become a parameter as it is: the right dtype and device, and the
+    sole user of all of its storage (not a view into a larger tensor, whose storage it would
+    keep alive, nor memory the loader maps from the file)."""
+    if tensor.dtype != dtype or tensor.device.type != device.type or tensor.requires_grad:
+        return False
+    if device.index is not None and tensor.device.index != device.index:
+        return False
+    return (tensor._base is None and tensor.is_contiguous() and tensor.storage_offset() == 0
+            and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+            and tensor.untyped_storage().resizable())

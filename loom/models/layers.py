@@ -108,7 +108,10 @@ class GatedMLP(nn.Module):
         self.gate_up_proj: nn.Linear | None = None
 
     def fuse(self) -> None:
-        """Stack gate and up into one projection (one weight read per step instead of two)."""
+        """Stack gate and up into one projection (one weight read per step instead of two);
+        a no-op once stacked."""
+        if self.gate_up_proj is not None:
+            return
         self.gate_up_proj = _stack_linears([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
@@ -177,7 +180,10 @@ class SelfAttention(nn.Module):
         self.qkv_sizes = (h * d, kv * d, kv * d)
 
     def fuse(self) -> None:
-        """Stack q, k and v into one projection (one weight read per step instead of three)."""
+        """Stack q, k and v into one projection (one weight read per step instead of three);
+        a no-op once stacked."""
+        if self.qkv_proj is not None:
+            return
         self.qkv_proj = _stack_linears([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 

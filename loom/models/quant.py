@@ -26,14 +26,26 @@ from loom.kernels import cpu_kernels_available, linear_w8, use_cpu_kernels
 from loom.kernels.w8a8_layout import PACKED_COLUMNS, from_packed_layout, to_packed_layout
 from loom.models.layers import Linear
 
+# Elements per slice of rows `quantize_weight_int8` converts at a time: its float32
+# temporaries stay near 4 MB each, however large the matrix (a 128k-row output projection
+# would otherwise need several float32 copies of itself while loading).
+_QUANTIZE_SLICE = 1 << 20
+
 
 def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: returns (w_int8 [N, K], bfloat16 scales [N])."""
-    w = weight.detach().float()
-    # Scales are rounded to bfloat16 (the kernel's dtype) before the weights are divided.
-    scales = (w.abs().amax(dim=1) / 127.0).clamp_(min=1e-30).to(torch.bfloat16).float()
-    w_int8 = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-    return w_int8.contiguous(), scales.to(torch.bfloat16)
+    """Symmetric per-row int8: returns (w_int8 [N, K], bfloat16 scales [N]). Rows are
+    independent, so converting them a slice at a time gives the same bits."""
+    rows, cols = weight.shape
+    w_int8 = torch.empty((rows, cols), dtype=torch.int8, device=weight.device)
+    scales = torch.empty(rows, dtype=torch.float32, device=weight.device)
+    step = max(1, _QUANTIZE_SLICE // max(1, cols))
+    for start in range(0, rows, step):
+        w = weight.detach()[start:start + step].float()
+        # Scales are rounded to bfloat16 (the kernel's dtype) before the weights are divided.
+        part = (w.abs().amax(dim=1) / 127.0).clamp_(min=1e-30).to(torch.bfloat16).float()
+        w_int8[start:start + step] = torch.round(w / part[:, None]).clamp_(-127, 127)
+        scales[start:start + step] = part
+    return w_int8, scales.to(torch.bfloat16)
 
 
 # Calls with at least this many rows take the dequantised float path (see `forward`)...

@@ -43,3 +43,24 @@ def keep_freed_memory() -> bool:
     if not done:
         logger.debug("mallopt refused the allocation thresholds")
     return done
+
+
+@functools.cache
+def _malloc_trim() -> ctypes._CFuncPtr | None:
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+    if trim is not None:
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+def release_freed_memory() -> None:
+    """Give the heap's free pages back to the kernel (glibc's `malloc_trim`; nothing
+    elsewhere). A first load frees each layer's float weights once the layer is prepared;
+    without this they stay resident in the heap and a load's peak grows with every layer."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

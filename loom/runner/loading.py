@@ -20,6 +20,7 @@ from loom.models.quant import quantize_model_int8
 from loom.models.registry import get_model_class
 from loom.models.tensor_parallel import shard_model
 from loom.models.weight_shard import Shard
+from loom.runner.host_memory import release_freed_memory
 from loom.runner.prepared import load_prepared, prepared_path, read_prepared_config, save_prepared
 
 logger = logging.getLogger("loom")
@@ -68,22 +69,25 @@ def build_model(
                 return config, _for_inference(model)
     hf_config, weights, _ = load_model_files(source.path, dtype=_load_dtype(dtype, quantization))
     model_cls, config = model_architecture(hf_config)
-    # Construct without allocating or initialising, then fill every parameter from the file.
+    # Construct without allocating or initialising; each parameter is allocated as its tensor
+    # arrives from the file, and each layer is prepared as soon as its last one has.
     with torch.device("meta"):
         model = _construct(model_cls, config, dtype, quantization, shard)
     if model.weight_shards:  # a rank's shard: read only its parts of the tensors
         weights = load_model_files(source.path, dtype=_load_dtype(dtype, quantization),
                                    select=model.weight_selector()).weights
-    model = model.to_empty(device=device)
-    if model.tie_embeddings:  # to_empty gave the output projection its own (empty) tensor
-        model.lm_head.weight = model.model.embed_tokens.weight
+    _allocate_buffers(model, device)
+    layers = _LayerPreparer(model, dtype, quantization)
     try:
-        model.load_weights(weights)
+        model.load_weights(weights, on_loaded=layers.loaded, materialize_on=device)
     except InvalidModelError as exc:
         if str(source.path) in str(exc):  # a file-level error already names the file
             raise
         raise InvalidModelError(f"{source.path}: {exc}") from None
+    if model.tie_embeddings:  # the output projection still holds the embedding's meta tensor
+        model.lm_head.weight = model.model.embed_tokens.weight
     model = _prepare(model, dtype, quantization)
+    release_freed_memory()
     if cache is not None:
         try:
             embedding = model.model.embed_tokens
@@ -122,15 +126,71 @@ def _prepare(model: CausalLM, dtype: torch.dtype, quantization: str | None,
              compact_embedding: bool | None = None) -> CausalLM:
     """The steps after loading: stack projections, quantise, cast to the final dtype, compact
     the embedding table (also run on the meta device to rebuild a cached model's structure,
-    with `compact_embedding` saying what the values decided)."""
-    fuse_projections(model)
+    with `compact_embedding` saying what the values decided). Layers already prepared while
+    loading are left as they are."""
+    _prepare_module(model, dtype, quantization)
     if quantization is not None:
-        quantize_model_int8(model, quantize_activations=quantization == "w8a8")
-        for param in model.parameters():
-            if param.dtype != dtype:
-                param.data = param.data.to(dtype)
         _compact_embedding(model, compact_embedding)
     return model
+
+
+def _prepare_module(module: torch.nn.Module, dtype: torch.dtype,
+                    quantization: str | None) -> None:
+    """Stack projections, quantise every linear layer and cast the other parameters to
+    `dtype`, in `module` (a whole model or one layer; idempotent)."""
+    fuse_projections(module)
+    if quantization is not None:
+        quantize_model_int8(module, quantize_activations=quantization == "w8a8")
+        for param in module.parameters():
+            if param.dtype != dtype:
+                param.data = param.data.to(dtype)
+
+
+def _allocate_buffers(model: CausalLM, device: torch.device | str) -> None:
+    """Give every buffer of a model built on the meta device uninitialised storage on
+    `device` (as `to_empty` would; parameters are allocated as their weights load)."""
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and buffer.is_meta:
+                module.register_buffer(name, torch.empty_like(buffer, device=device),
+                                       persistent=name not in module._non_persistent_buffers_set)
+
+
+class _LayerPreparer:
+    """Prepares each decoder layer (`_prepare_module`) as soon as the last of its weights has
+    loaded, so a first load holds at most one layer's float32 weights beside the prepared
+    layers, never a float32 copy of the model (the embedding and the output projection are
+    prepared at the end). Weights arrive layer by layer in both GGUF and safetensors files;
+    any order is correct, only the peak depends on it."""
+
+    def __init__(self, model: CausalLM, dtype: torch.dtype, quantization: str | None) -> None:
+        self._layers = model.model.layers
+        self._dtype, self._quantization = dtype, quantization
+        self._pending: dict[int, set[str]] = {}
+        for name, _ in model.named_parameters():
+            index = _layer_index(name)
+            if index is not None:
+                self._pending.setdefault(index, set()).add(name)
+
+    def loaded(self, name: str) -> None:
+        """`name` was filled: prepare its layer if that was the layer's last weight."""
+        index = _layer_index(name)
+        left = self._pending.get(index) if index is not None else None
+        if left is None:
+            return
+        left.discard(name)
+        if not left:
+            del self._pending[index]
+            _prepare_module(self._layers[index], self._dtype, self._quantization)
+            release_freed_memory()
+
+
+def _layer_index(name: str) -> int | None:
+    """The decoder layer a parameter name belongs to ("model.layers.<i>.") or None."""
+    parts = name.split(".", 3)
+    if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        return int(parts[2])
+    return None
 
 
 def _compact_embedding(model: CausalLM, decided: bool | None) -> None:
