@@ -16,6 +16,8 @@ PACKED_COLUMNS = 8
 
 # Bytes of weights `to_packed_layout` rearranges at a time (its temporaries stay this size).
 _PACK_SLICE = 1 << 24
+# The top bit of each byte of a 32-bit word, as a signed int32.
+_TOP_BITS = -0x7F7F7F80
 
 
 def to_packed_layout(w_int8: torch.Tensor) -> torch.Tensor:
@@ -25,15 +27,21 @@ def to_packed_layout(w_int8: torch.Tensor) -> torch.Tensor:
     n, k = w_int8.shape
     groups = -(-n // PACKED_COLUMNS)
     packed = torch.empty((groups, k // 4, PACKED_COLUMNS, 4), dtype=torch.uint8)
+    source = w_int8.contiguous().view(torch.uint8)
+    if n % PACKED_COLUMNS:  # the last group's missing columns: zero weights
+        rows = torch.zeros((PACKED_COLUMNS, k), dtype=torch.uint8)
+        rows[: n % PACKED_COLUMNS] = source[(groups - 1) * PACKED_COLUMNS :]
+        source = torch.cat([source[: (groups - 1) * PACKED_COLUMNS], rows])
     step = max(1, _PACK_SLICE // (PACKED_COLUMNS * k))
     for first in range(0, groups, step):
         count = min(step, groups - first)
-        rows = torch.full((count * PACKED_COLUMNS, k), 128, dtype=torch.uint8)  # zero weights
-        real = w_int8[first * PACKED_COLUMNS : (first + count) * PACKED_COLUMNS]
+        # Each run of 4 consecutive k is moved as one 32-bit word.
+        rows = source[first * PACKED_COLUMNS : (first + count) * PACKED_COLUMNS].view(torch.int32)
+        part = packed[first : first + count].view(count, k // 4, PACKED_COLUMNS * 4)
+        part = part.view(torch.int32)
+        part.copy_(rows.view(count, PACKED_COLUMNS, k // 4).permute(0, 2, 1))
         # w + 128 as an unsigned byte is the two's-complement byte with its top bit flipped.
-        rows[: real.shape[0]] = real.contiguous().view(torch.uint8) ^ 0x80
-        packed[first : first + count] = rows.view(count, PACKED_COLUMNS, k // 4, 4).permute(
-            0, 2, 1, 3)
+        part.bitwise_xor_(_TOP_BITS)
     return packed
 
 

@@ -129,20 +129,21 @@ def _stack_linears(linears: list[nn.Linear]) -> nn.Linear:
     first = linears[0].weight
     biases = [lin.bias for lin in linears]
     has_bias = any(b is not None for b in biases)
+    # Built on the meta device (no allocation, no random initialisation: that cost 8 s of a
+    # 1.7B model's first load), then given the stacked tensors as its parameters.
     fused = Linear(first.shape[1], sum(lin.weight.shape[0] for lin in linears), bias=has_bias,
-                   device=first.device, dtype=first.dtype)
+                   device="meta", dtype=first.dtype)
     if first.is_meta:
         return fused
+    trainable = any(lin.weight.requires_grad for lin in linears)
     weight = torch.cat([lin.weight.detach() for lin in linears])
-    with torch.no_grad():
-        fused.weight.copy_(weight)
-        if has_bias:
-            fused.bias.copy_(torch.cat([
-                b.detach() if b is not None
-                else torch.zeros(lin.out_features, dtype=weight.dtype, device=weight.device)
-                for b, lin in zip(biases, linears, strict=True)
-            ]))
-    fused.requires_grad_(any(lin.weight.requires_grad for lin in linears))
+    fused.weight = nn.Parameter(weight, requires_grad=trainable)
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([
+            b.detach() if b is not None
+            else torch.zeros(lin.out_features, dtype=weight.dtype, device=weight.device)
+            for b, lin in zip(biases, linears, strict=True)
+        ]), requires_grad=trainable)
     return fused
 
 
