@@ -7,9 +7,11 @@ fallback once.
 
 from loom.kernels.build import kernel_status, load_library
 from loom.kernels.cpu_ops import (
+    GGUF_C_BLOCK_TYPES,
     KV_CACHE_KERNEL_DTYPES,
     argmax_logsumexp,
     cpu_kernels_available,
+    dequantize_gguf_blocks,
     linear_f32,
     linear_w8,
     linear_w8a8_reference,
@@ -26,10 +28,12 @@ from loom.kernels.cpu_ops import (
 KERNEL_ARITHMETIC = "loom-cpu-2"
 
 __all__ = [
+    "GGUF_C_BLOCK_TYPES",
     "KERNEL_ARITHMETIC",
     "KV_CACHE_KERNEL_DTYPES",
     "argmax_logsumexp",
     "cpu_kernels_available",
+    "dequantize_gguf_blocks",
     "kernel_status",
     "linear_f32",
     "linear_w8",

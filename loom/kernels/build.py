@@ -102,9 +102,11 @@ SIGNATURES: dict[str, list[type]] = {
     "loom_rope_neox": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr],
     "loom_argmax_logsumexp": [_ptr, _i64, _i64, _ptr, _ptr],
     "loom_apply_token_bitmask": [_ptr, _i64, _ptr, _i64, _ptr, _i64],
+    "loom_dequantize": [_i64, _ptr, _i64, _ptr],
 }
 # Functions that return a value (the others return void).
-RESTYPES: dict[str, type] = {"loom_kernel_variant": ctypes.c_char_p}
+RESTYPES: dict[str, type] = {"loom_kernel_variant": ctypes.c_char_p,
+                              "loom_dequantize": ctypes.c_int64}
 
 
 @dataclass

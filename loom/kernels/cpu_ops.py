@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 
 from loom.kernels.build import load_library
@@ -232,3 +233,29 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lse = torch.empty(rows, dtype=torch.float32)
     _lib().loom_argmax_logsumexp(logits.data_ptr(), rows, vocab, idx.data_ptr(), lse.data_ptr())
     return idx, lse
+
+
+# GGML block types `dequantize_gguf_blocks` decodes in C: type id -> (bytes, values) a block.
+GGUF_C_BLOCK_TYPES: dict[int, tuple[int, int]] = {
+    2: (18, 32), 3: (20, 32), 6: (22, 32), 7: (24, 32), 8: (34, 32), 12: (144, 256),
+    13: (176, 256), 14: (210, 256),
+}
+
+
+def dequantize_gguf_blocks(raw: np.ndarray, type_id: int, out: torch.Tensor) -> bool:
+    """Decode `raw` (the blocks of a GGUF tensor, uint8, C-contiguous) into `out` (float32,
+    contiguous, one value per element) in C, with the `gguf` package's arithmetic bit for bit;
+    False (nothing written) where the kernels are not loaded or do not know the type."""
+    lib = load_library()
+    shape = GGUF_C_BLOCK_TYPES.get(type_id)
+    if lib is None or shape is None:
+        return False
+    block_bytes, block_values = shape
+    if raw.dtype != np.uint8 or not raw.flags.c_contiguous or raw.size % block_bytes:
+        raise ValueError(f"GGUF block data of type {type_id} must be whole contiguous blocks")
+    blocks = raw.size // block_bytes
+    _check(out, "out", torch.float32)
+    if out.numel() != blocks * block_values:
+        raise ValueError(f"{blocks} blocks hold {blocks * block_values} values, "
+                         f"not the {out.numel()} of the output")
+    return lib.loom_dequantize(type_id, raw.ctypes.data, blocks, out.data_ptr()) == 0

@@ -11,6 +11,7 @@ import torch
 from gguf.quants import dequantize
 
 from loom.errors import UnsupportedModelError
+from loom.kernels import GGUF_C_BLOCK_TYPES, dequantize_gguf_blocks
 from loom.loader.gguf_maps import (
     GGUF_ARCHITECTURES,
     GGUF_CONFIG_DEFAULTS,
@@ -132,7 +133,7 @@ def iter_gguf_weights(
         if rule is not None and rule.dim == 0 and not rule.first_rank_only and not permuted:
             start, stop = rule.span(tensor.shape[0])
             shape = (stop - start, *tensor.shape[1:])
-            part = _float_tensor(dequantize(raw[start:stop], tensor.qtype), shape)
+            part = _dequantize_by_rows(raw[start:stop], tensor.qtype, shape)
             yield hf_name, _cast(rule.pad(part), dtype)
             continue
         w = _dequantize_by_rows(raw, tensor.qtype, tuple(tensor.shape))
@@ -153,9 +154,14 @@ _DEQUANTIZE_SLICE = 1 << 20
 
 
 def _dequantize_by_rows(raw: np.ndarray, qtype: Any, shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor's raw data dequantised to float32 `shape`, a slice of rows at a time into one
-    preallocated tensor (each row of a quantised tensor is its own blocks, so the values are
-    those of one whole call)."""
+    """A tensor's raw data dequantised to float32 `shape`: by Loom's C kernels where they
+    decode the type (`loom_dequantize`, gguf's arithmetic bit for bit), else by gguf's numpy
+    dequantisers a slice of rows at a time into one preallocated tensor (each row of a
+    quantised tensor is its own blocks, so the values are those of one whole call)."""
+    if int(qtype) in GGUF_C_BLOCK_TYPES and raw.dtype == np.uint8 and raw.flags.c_contiguous:
+        out = torch.empty(shape, dtype=torch.float32)
+        if dequantize_gguf_blocks(raw, int(qtype), out):  # in C, the same bits, one pass
+            return out
     rows = shape[0] if len(shape) == 2 else 0
     if rows < 2 or math.prod(shape) <= _DEQUANTIZE_SLICE:
         return _float_tensor(dequantize(raw, qtype), shape)
