@@ -1,0 +1,170 @@
+"""A GGUF file of a real model's shape with random weights, for load and speed runs at the
+sizes people deploy (1-8B) without downloading them. Speed and memory do not depend on the
+weights' values; run generation benchmarks on such files with EOS ignored.
+
+The file is a Llama-architecture GGUF with SmolLM2's tokenizer (its metadata is copied from
+the `smollm2-135m-instruct` GGUF, so the vocabulary is SmolLM2's 49,152 tokens whatever the
+shape) and its matrices in Q8_0 (the `gguf` package's quantiser) or F16. Tensors are
+generated, quantised and written one at a time, so memory stays near one tensor. For the
+K-quant mixes of real files, quantise an F16 file with llama.cpp's own quantiser
+(`--llama-quantize`, needs `llama-cpp-python`: the `bench` extra).
+
+    python benchmarks/random_gguf.py --shape smollm2-1.7b --out /tmp/smollm2-1.7b-q8_0.gguf
+    python benchmarks/random_gguf.py --shape llama-8b --type f16 --out /tmp/8b-f16.gguf \\
+        --llama-quantize Q4_K_M   # writes /tmp/8b-f16.Q4_K_M.gguf beside it
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A Llama-architecture model's sizes."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    rope_theta: float = 10000.0
+    context: int = 8192
+
+
+SHAPES = {
+    "smollm2-360m": Shape(960, 32, 15, 5, 2560, 100000.0),
+    "smollm2-1.7b": Shape(2048, 24, 32, 32, 8192, 130000.0),
+    "llama-3b": Shape(3072, 28, 24, 8, 8192, 500000.0),  # Llama 3.2 3B's layers
+    "llama-8b": Shape(4096, 32, 32, 8, 14336, 500000.0),  # Llama 3.1 8B's layers
+}
+# llama.cpp's file types for `llama_model_quantize`.
+LLAMA_FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+_TOKENIZER_SOURCE = "smollm2-135m-instruct"
+
+
+def _tensors(shape: Shape, vocab: int) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(GGUF name, (rows, cols) or (n,)) of every tensor, in the order llama.cpp writes."""
+    head_dim = shape.hidden // shape.heads
+    kv = shape.kv_heads * head_dim
+    yield "token_embd.weight", (vocab, shape.hidden)
+    for i in range(shape.layers):
+        yield f"blk.{i}.attn_norm.weight", (shape.hidden,)
+        yield f"blk.{i}.attn_q.weight", (shape.hidden, shape.hidden)
+        yield f"blk.{i}.attn_k.weight", (kv, shape.hidden)
+        yield f"blk.{i}.attn_v.weight", (kv, shape.hidden)
+        yield f"blk.{i}.attn_output.weight", (shape.hidden, shape.hidden)
+        yield f"blk.{i}.ffn_norm.weight", (shape.hidden,)
+        yield f"blk.{i}.ffn_gate.weight", (shape.ffn, shape.hidden)
+        yield f"blk.{i}.ffn_up.weight", (shape.ffn, shape.hidden)
+        yield f"blk.{i}.ffn_down.weight", (shape.hidden, shape.ffn)
+    yield "output_norm.weight", (shape.hidden,)
+
+
+def _copy_tokenizer(writer: object, source: Path) -> int:
+    """Copy SmolLM2's tokenizer metadata into `writer`; returns the vocabulary size."""
+    from loom.loader.gguf_reader import GGUFFile
+
+    reader = GGUFFile(source)
+    tokens = reader.get("tokenizer.ggml.tokens")
+    writer.add_tokenizer_model(reader.get("tokenizer.ggml.model"))
+    writer.add_tokenizer_pre(reader.get("tokenizer.ggml.pre"))
+    writer.add_token_list(tokens)
+    writer.add_token_types(reader.get("tokenizer.ggml.token_type"))
+    writer.add_token_merges(reader.get("tokenizer.ggml.merges"))
+    for key, add in (("bos_token_id", writer.add_bos_token_id),
+                     ("eos_token_id", writer.add_eos_token_id),
+                     ("unknown_token_id", writer.add_unk_token_id),
+                     ("padding_token_id", writer.add_pad_token_id)):
+        value = reader.get(f"tokenizer.ggml.{key}")
+        if value is not None:
+            add(int(value))
+    writer.add_add_bos_token(bool(reader.get("tokenizer.ggml.add_bos_token")))
+    template = reader.get("tokenizer.chat_template")
+    if template:
+        writer.add_chat_template(template)
+    return len(tokens)
+
+
+def write_random_gguf(path: Path, shape: Shape, kind: str, seed: int = 0,
+                      log: Callable[[str], None] = print) -> Path:
+    """Write the file (`kind`: "q8_0" or "f16"); returns `path`."""
+    import gguf
+    from gguf.quants import quant_shape_to_byte_shape
+
+    from loom.loader.resolve import resolve_model_path
+
+    qtype = {"q8_0": gguf.GGMLQuantizationType.Q8_0,
+             "f16": gguf.GGMLQuantizationType.F16}[kind]
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_block_count(shape.layers)
+    writer.add_context_length(shape.context)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_feed_forward_length(shape.ffn)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(shape.rope_theta)
+    vocab = _copy_tokenizer(writer, resolve_model_path(_TOKENIZER_SOURCE))
+    tensors = list(_tensors(shape, vocab))
+    for name, dims in tensors:  # declare every tensor, then stream the data
+        if len(dims) == 1:
+            writer.add_tensor_info(name, dims, np.dtype(np.float32), dims[0] * 4)
+        else:
+            nbytes = quant_shape_to_byte_shape(dims, qtype)
+            writer.add_tensor_info(name, nbytes, np.dtype(np.uint8),
+                                   int(np.prod(nbytes)), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    began = time.perf_counter()
+    for _, dims in tensors:  # in the declared order
+        if len(dims) == 1:
+            writer.write_tensor_data(np.ones(dims, dtype=np.float32))
+            continue
+        values = rng.standard_normal(dims, dtype=np.float32) * np.float32(0.02)
+        writer.write_tensor_data(gguf.quants.quantize(values, qtype))
+    writer.close()
+    log(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in "
+        f"{time.perf_counter() - began:.0f} s")
+    return path
+
+
+def llama_quantize(source: Path, ftype_name: str) -> Path:
+    """`source` quantised by llama.cpp's own quantiser into `<stem>.<ftype>.gguf` beside it."""
+    import llama_cpp
+
+    target = source.with_name(f"{source.stem}.{ftype_name}.gguf")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = LLAMA_FTYPES[ftype_name]
+    params.nthread = 0
+    code = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params)
+    if code != 0:
+        raise SystemExit(f"llama_model_quantize failed with {code}")
+    return target
+
+
+def main() -> None:
+    """Parse the arguments and write the file."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    parser.add_argument("--type", choices=["q8_0", "f16"], default="q8_0")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--llama-quantize", choices=sorted(LLAMA_FTYPES), default=None,
+                        help="also quantise the file with llama.cpp's quantiser")
+    args = parser.parse_args()
+    path = write_random_gguf(args.out, SHAPES[args.shape], args.type, args.seed)
+    if args.llama_quantize:
+        print(f"wrote {llama_quantize(path, args.llama_quantize)}")
+
+
+if __name__ == "__main__":
+    main()
