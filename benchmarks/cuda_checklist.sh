@@ -8,10 +8,12 @@
 #
 #   # here, once (the GGUF is here): the default model's config and tokenizer
 #   python benchmarks/random_model.py export --out shared/gemma3-270m-shape
-#   # there
+#   # there, from the repository root (Loom runs from the tree; a machine without the `gguf`
+#   # package needs its wheel installed first: pip install --target, then PYTHONPATH)
 #   benchmarks/cuda_checklist.sh OUT_DIR [STEP ...]    # steps: env tests profile latency
 #                                                      #        throughput sessions
 set -u
+export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 out=${1:?usage: cuda_checklist.sh OUT_DIR [STEP ...]}
 shift
 steps=${*:-env tests profile latency throughput sessions}

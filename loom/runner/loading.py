@@ -16,7 +16,7 @@ from loom.models.base import CausalLM
 from loom.models.block_embedding import BlockInt8Embedding
 from loom.models.config import ModelConfig
 from loom.models.layers import fuse_projections
-from loom.models.quant import quantize_model_int8
+from loom.models.quant import Int8Linear, quantize_model_int8
 from loom.models.registry import get_model_class
 from loom.models.tensor_parallel import shard_model
 from loom.models.weight_shard import Shard
@@ -159,11 +159,12 @@ def _allocate_buffers(model: CausalLM, device: torch.device | str) -> None:
 class _LayerPreparer:
     """Prepares each decoder layer (`_prepare_module`) as soon as the last of its weights has
     loaded, so a first load holds at most one layer's float32 weights beside the prepared
-    layers, never a float32 copy of the model (the embedding and the output projection are
-    prepared at the end). Weights arrive layer by layer in both GGUF and safetensors files;
-    any order is correct, only the peak depends on it."""
+    layers, never a float32 copy of the model (the embedding is prepared at the end, and a
+    tied output projection with it). Weights arrive layer by layer in both GGUF and
+    safetensors files; any order is correct, only the peak depends on it."""
 
     def __init__(self, model: CausalLM, dtype: torch.dtype, quantization: str | None) -> None:
+        self._model = model
         self._layers = model.model.layers
         self._dtype, self._quantization = dtype, quantization
         self._pending: dict[int, set[str]] = {}
@@ -173,7 +174,15 @@ class _LayerPreparer:
                 self._pending.setdefault(index, set()).add(name)
 
     def loaded(self, name: str) -> None:
-        """`name` was filled: prepare its layer if that was the layer's last weight."""
+        """`name` was filled: prepare its layer if that was the layer's last weight (an
+        untied output projection is quantised at once: as float32 it is the largest single
+        tensor of a model with a large vocabulary, 2.1 GB for Llama 3 8B)."""
+        if name == "lm_head.weight" and self._quantization is not None:
+            head = self._model.lm_head
+            self._model.lm_head = Int8Linear(head.weight, head.bias,
+                                             self._quantization == "w8a8")
+            release_freed_memory()
+            return
         index = _layer_index(name)
         left = self._pending.get(index) if index is not None else None
         if left is None:

@@ -104,3 +104,23 @@ def test_a_first_load_adds_less_than_the_float32_model(tmp_path: Path) -> None:
     assert added < 0.85 * float32_bytes, (
         f"a first load added {added / 2**20:.0f} MB at its peak for a model of "
         f"{float32_bytes / 2**20:.0f} MB in float32 (bound: 0.85x that)")
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "llama", "qwen2"])  # tied, untied, biases
+@pytest.mark.parametrize("quantization", ["w8a8", "int8", None])
+def test_preparing_while_loading_equals_preparing_after(tiny_models, arch, quantization):
+    """Each layer (and an untied output projection) prepared as its weights arrive gives the
+    same tensors, bit for bit, as loading the whole float32 model and preparing it then."""
+    import torch
+
+    from loom.runner import loading
+
+    folder, _ = tiny_models[arch]
+    _, streamed = loading.build_model(folder, torch.float32, quantization=quantization)
+    _, whole = loading.build_model(folder, torch.float32, quantization=None)
+    whole = loading._prepare(whole, torch.float32, quantization)
+    got, want = streamed.state_dict(), whole.state_dict()
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    assert type(streamed.lm_head) is type(whole.lm_head)
