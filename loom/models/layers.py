@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -107,12 +109,12 @@ class GatedMLP(nn.Module):
         # Set by `fuse()`: one [2 * intermediate, hidden] projection replacing gate and up.
         self.gate_up_proj: nn.Linear | None = None
 
-    def fuse(self) -> None:
+    def fuse(self, stack: StackLinears | None = None) -> None:
         """Stack gate and up into one projection (one weight read per step instead of two);
-        a no-op once stacked."""
+        a no-op once stacked. `stack` builds the stacked layer (default: a float Linear)."""
         if self.gate_up_proj is not None:
             return
-        self.gate_up_proj = _stack_linears([self.gate_proj, self.up_proj])
+        self.gate_up_proj = (stack or _stack_linears)([self.gate_proj, self.up_proj])
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,6 +123,10 @@ class GatedMLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+# Builds one layer computing the concatenated outputs of the given linear layers.
+StackLinears = Callable[[list[nn.Linear]], nn.Module]
 
 
 def _stack_linears(linears: list[nn.Linear]) -> nn.Linear:
@@ -180,12 +186,12 @@ class SelfAttention(nn.Module):
         self.qkv_proj: nn.Linear | None = None
         self.qkv_sizes = (h * d, kv * d, kv * d)
 
-    def fuse(self) -> None:
+    def fuse(self, stack: StackLinears | None = None) -> None:
         """Stack q, k and v into one projection (one weight read per step instead of three);
-        a no-op once stacked."""
+        a no-op once stacked. `stack` builds the stacked layer (default: a float Linear)."""
         if self.qkv_proj is not None:
             return
-        self.qkv_proj = _stack_linears([self.q_proj, self.k_proj, self.v_proj])
+        self.qkv_proj = (stack or _stack_linears)([self.q_proj, self.k_proj, self.v_proj])
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -210,9 +216,11 @@ def empty_embedding(num_embeddings: int, dim: int) -> nn.Embedding:
     return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim))
 
 
-def fuse_projections(model: nn.Module) -> nn.Module:
-    """Stack the q/k/v and gate/up projections of every layer (after weights are loaded)."""
-    for module in model.modules():
+def fuse_projections(model: nn.Module, stack: StackLinears | None = None) -> nn.Module:
+    """Stack the q/k/v and gate/up projections of every layer (after weights are loaded);
+    `stack` builds each stacked layer (default: a float Linear; the int8 modes pass one that
+    quantises the parts and stacks their int8 rows)."""
+    for module in list(model.modules()):
         if isinstance(module, SelfAttention | GatedMLP):
-            module.fuse()
+            module.fuse(stack)
     return model

@@ -76,15 +76,18 @@ class Int8Linear(nn.Module):
     """
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, quantize_activations: bool = False
+        self, weight: torch.Tensor, bias: torch.Tensor | None, quantize_activations: bool = False,
+        int8: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """From a float `weight`, or from its per-row quantisation `int8` = (w_int8, scales)
+        already made (then `weight` may be a meta tensor giving only the shape)."""
         super().__init__()
         # w8a8: the CPU kernel also rounds activations to int8 per block of 32.
         self.quantize_activations = quantize_activations and weight.shape[1] % 32 == 0
         self.out_features, self.in_features = n, k = weight.shape
         packed = self.quantize_activations and cpu_kernels_available()
         self.layout = "packed" if packed else "rows"
-        if weight.is_meta:  # rebuilding a cached model's structure: shapes only, no op runs
+        if weight.is_meta and int8 is None:  # a cached model's structure: shapes only
             meta = {"device": "meta"}
             groups = -(-n // PACKED_COLUMNS)
             w_q = (torch.empty((groups, k // 4, PACKED_COLUMNS, 4), dtype=torch.uint8, **meta)
@@ -93,7 +96,7 @@ class Int8Linear(nn.Module):
             scales_f32 = torch.empty(n, dtype=torch.float32, **meta)
             bias_f32 = None if bias is None else torch.empty(n, dtype=torch.float32, **meta)
         else:
-            w_int8, scales = quantize_weight_int8(weight)
+            w_int8, scales = int8 if int8 is not None else quantize_weight_int8(weight)
             w_q = to_packed_layout(w_int8) if packed else w_int8
             scales_f32 = scales.float()
             bias_f32 = None if bias is None else bias.detach().float().clone()
@@ -104,6 +107,30 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales)  # bfloat16, the kernel's activation dtype
         self.register_buffer("scales_f32", scales_f32)  # the same values, for loom.kernels
         self.register_buffer("bias", bias_f32)
+
+    @classmethod
+    def stacked(cls, linears: list[nn.Linear], quantize_activations: bool) -> Int8Linear:
+        """One Int8Linear whose output is the concatenation of `linears`' outputs. Each part is
+        quantised on its own and the int8 rows are stacked: rows are quantised independently,
+        so this is the stacked float weight's quantisation bit for bit, without making that
+        float copy (a float32 gate/up stack is twice the layer's largest matrix)."""
+        weights = [lin.weight for lin in linears]
+        rows, cols = sum(w.shape[0] for w in weights), weights[0].shape[1]
+        biases = [lin.bias for lin in linears]
+        meta = weights[0].is_meta
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([
+                b.detach() if b is not None
+                else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+                for b, w in zip(biases, weights, strict=True)
+            ])
+        shape_only = torch.empty((rows, cols), dtype=weights[0].dtype, device="meta")
+        if meta:
+            return cls(shape_only, bias, quantize_activations)
+        parts = [quantize_weight_int8(w) for w in weights]
+        int8 = (torch.cat([q for q, _ in parts]), torch.cat([sc for _, sc in parts]))
+        return cls(shape_only, bias, quantize_activations, int8=int8)
 
     def row_major_int8(self) -> torch.Tensor:
         """The int8 weight [N, K], row-major (a copy when stored packed)."""

@@ -137,13 +137,17 @@ def _prepare(model: CausalLM, dtype: torch.dtype, quantization: str | None,
 def _prepare_module(module: torch.nn.Module, dtype: torch.dtype,
                     quantization: str | None) -> None:
     """Stack projections, quantise every linear layer and cast the other parameters to
-    `dtype`, in `module` (a whole model or one layer; idempotent)."""
-    fuse_projections(module)
-    if quantization is not None:
-        quantize_model_int8(module, quantize_activations=quantization == "w8a8")
-        for param in module.parameters():
-            if param.dtype != dtype:
-                param.data = param.data.to(dtype)
+    `dtype`, in `module` (a whole model or one layer; idempotent). In the int8 modes the
+    projections are quantised before they are stacked (the same bits, no float32 stack)."""
+    if quantization is None:
+        fuse_projections(module)
+        return
+    activations = quantization == "w8a8"
+    fuse_projections(module, lambda parts: Int8Linear.stacked(parts, activations))
+    quantize_model_int8(module, quantize_activations=activations)
+    for param in module.parameters():
+        if param.dtype != dtype:
+            param.data = param.data.to(dtype)
 
 
 def _allocate_buffers(model: CausalLM, device: torch.device | str) -> None:

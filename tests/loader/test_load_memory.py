@@ -109,16 +109,21 @@ def test_a_first_load_adds_less_than_the_float32_model(tmp_path: Path) -> None:
 @pytest.mark.parametrize("arch", ["gemma3", "llama", "qwen2"])  # tied, untied, biases
 @pytest.mark.parametrize("quantization", ["w8a8", "int8", None])
 def test_preparing_while_loading_equals_preparing_after(tiny_models, arch, quantization):
-    """Each layer (and an untied output projection) prepared as its weights arrive gives the
-    same tensors, bit for bit, as loading the whole float32 model and preparing it then."""
+    """Each layer (and an untied output projection) prepared as its weights arrive, with its
+    projections quantised before they are stacked, gives the same tensors, bit for bit, as
+    the plain definition: the whole float32 model, its projections stacked in float32, then
+    every linear layer quantised."""
     import torch
 
+    from loom.models.quant import quantize_model_int8
     from loom.runner import loading
 
     folder, _ = tiny_models[arch]
     _, streamed = loading.build_model(folder, torch.float32, quantization=quantization)
-    _, whole = loading.build_model(folder, torch.float32, quantization=None)
-    whole = loading._prepare(whole, torch.float32, quantization)
+    _, whole = loading.build_model(folder, torch.float32, quantization=None)  # float, stacked
+    if quantization is not None:
+        quantize_model_int8(whole, quantize_activations=quantization == "w8a8")
+        loading._compact_embedding(whole, None)
     got, want = streamed.state_dict(), whole.state_dict()
     assert got.keys() == want.keys()
     for name, tensor in want.items():
