@@ -133,8 +133,7 @@ def _stack_linears(linears: list[nn.Linear]) -> nn.Linear:
     """One nn.Linear whose output is the concatenation of the given layers' outputs (on the
     meta device only the shapes: no op runs, so rebuilding a cached model costs nothing)."""
     first = linears[0].weight
-    biases = [lin.bias for lin in linears]
-    has_bias = any(b is not None for b in biases)
+    has_bias = any(lin.bias is not None for lin in linears)
     # Built on the meta device (no allocation, no random initialisation: that cost 8 s of a
     # 1.7B model's first load), then given the stacked tensors as its parameters.
     fused = Linear(first.shape[1], sum(lin.weight.shape[0] for lin in linears), bias=has_bias,
@@ -144,13 +143,22 @@ def _stack_linears(linears: list[nn.Linear]) -> nn.Linear:
     trainable = any(lin.weight.requires_grad for lin in linears)
     weight = torch.cat([lin.weight.detach() for lin in linears])
     fused.weight = nn.Parameter(weight, requires_grad=trainable)
-    if has_bias:
-        fused.bias = nn.Parameter(torch.cat([
-            b.detach() if b is not None
-            else torch.zeros(lin.out_features, dtype=weight.dtype, device=weight.device)
-            for b, lin in zip(biases, linears, strict=True)
-        ]), requires_grad=trainable)
+    bias = stacked_bias(linears)
+    if bias is not None:
+        fused.bias = nn.Parameter(bias, requires_grad=trainable)
     return fused
+
+
+def stacked_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
+    """The bias of the stack of `linears` (zeros for a part without one), or None when no
+    part has one."""
+    if all(lin.bias is None for lin in linears):
+        return None
+    return torch.cat([
+        lin.bias.detach() if lin.bias is not None
+        else torch.zeros(lin.weight.shape[0], dtype=lin.weight.dtype, device=lin.weight.device)
+        for lin in linears
+    ])
 
 
 class SelfAttention(nn.Module):

@@ -24,7 +24,7 @@ from torch import nn
 
 from loom.kernels import cpu_kernels_available, linear_w8, use_cpu_kernels
 from loom.kernels.w8a8_layout import PACKED_COLUMNS, from_packed_layout, to_packed_layout
-from loom.models.layers import Linear
+from loom.models.layers import Linear, stacked_bias
 
 # Elements per slice of rows `quantize_weight_int8` converts at a time: its float32
 # temporaries stay near 4 MB each, however large the matrix (a 128k-row output projection
@@ -116,17 +116,9 @@ class Int8Linear(nn.Module):
         float copy (a float32 gate/up stack is twice the layer's largest matrix)."""
         weights = [lin.weight for lin in linears]
         rows, cols = sum(w.shape[0] for w in weights), weights[0].shape[1]
-        biases = [lin.bias for lin in linears]
-        meta = weights[0].is_meta
-        bias = None
-        if any(b is not None for b in biases):
-            bias = torch.cat([
-                b.detach() if b is not None
-                else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
-                for b, w in zip(biases, weights, strict=True)
-            ])
+        bias = stacked_bias(linears)
         shape_only = torch.empty((rows, cols), dtype=weights[0].dtype, device="meta")
-        if meta:
+        if weights[0].is_meta:
             return cls(shape_only, bias, quantize_activations)
         parts = [quantize_weight_int8(w) for w in weights]
         int8 = (torch.cat([q for q, _ in parts]), torch.cat([sc for _, sc in parts]))

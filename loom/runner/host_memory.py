@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+from typing import Any
 
 logger = logging.getLogger("loom")
 
@@ -27,17 +28,25 @@ THRESHOLD_BYTES = 1 << 30
 
 
 @functools.cache
+def _libc_function(name: str, argtypes: tuple[type, ...], restype: type) -> Any | None:
+    """The C library's function `name`, typed, or None where it has none (not glibc)."""
+    library = ctypes.util.find_library("c")
+    try:
+        function = getattr(ctypes.CDLL(library), name) if library else None
+    except (OSError, AttributeError):
+        return None
+    if function is not None:
+        function.argtypes, function.restype = list(argtypes), restype
+    return function
+
+
+@functools.cache
 def keep_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds to THRESHOLD_BYTES, once per process; False
     where the C library has no `mallopt` (not glibc) or refuses."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
+    mallopt = _libc_function("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
     if mallopt is None:
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     done = all(mallopt(option, THRESHOLD_BYTES) == 1
                for option in (_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD))
     if not done:
@@ -45,22 +54,10 @@ def keep_freed_memory() -> bool:
     return done
 
 
-@functools.cache
-def _malloc_trim() -> ctypes._CFuncPtr | None:
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        return None
-    if trim is not None:
-        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
-
-
 def release_freed_memory() -> None:
     """Give the heap's free pages back to the kernel (glibc's `malloc_trim`; nothing
     elsewhere). A first load frees each layer's float weights once the layer is prepared;
     without this they stay resident in the heap and a load's peak grows with every layer."""
-    trim = _malloc_trim()
+    trim = _libc_function("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
     if trim is not None:
         trim(0)
