@@ -432,8 +432,9 @@ def make_engine(args: argparse.Namespace, **kwargs: Any) -> Any:
 def loom_mode_kwargs(mode: str) -> dict[str, Any]:
     """Engine arguments of a Loom variant name: "default" (the engine's defaults), "float"
     (exact float weights: quantization None) or a quantization ("int8", "w8a8"), optionally
-    "+kv16" for a float16 KV cache and "+ngram" for speculative decoding with n-gram drafts
-    (e.g. "w8a8+kv16+ngram")."""
+    "+kv16" for a float16 KV cache, "+ngram" for speculative decoding with n-gram drafts and
+    "+tokN" for steps of up to N tokens (max_num_batched_tokens; e.g. "w8a8+kv16+ngram",
+    "default+tok2048")."""
     kwargs: dict[str, Any] = {}
     for part in mode.split("+"):
         if part == "kv16":
@@ -444,6 +445,8 @@ def loom_mode_kwargs(mode: str) -> dict[str, Any]:
             kwargs["quantization"] = None
         elif part == "default":
             kwargs["quantization"] = "auto"
+        elif part.startswith("tok") and part[3:].isdigit():
+            kwargs["max_num_batched_tokens"] = int(part[3:])
         else:
             kwargs["quantization"] = part
     return kwargs

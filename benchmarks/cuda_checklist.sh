@@ -51,6 +51,7 @@ transformers.__version__, torch.cuda.get_device_name())'
     tests)
       run tests_triton 150 "$PY" -m pytest -q -p no:cacheprovider --timeout=180 \
         tests/kernels/test_triton_attention.py tests/kernels/test_triton_compile.py \
+        tests/kernels/test_triton_elementwise.py \
         tests/runner/test_decode_graphs.py
       run tests_cuda 150 "$PY" -m pytest -q -p no:cacheprovider --timeout=180 -m cuda \
         tests/engine/test_sessions.py tests/engine/test_hooks.py \
@@ -60,7 +61,7 @@ transformers.__version__, torch.cuda.get_device_name())'
         --device cuda --context 512 --no-doc ;;
     latency)
       run latency 240 "$PY" benchmarks/bench_latency.py --model "$M" --device cuda \
-        --loom-modes --hf-dtypes bfloat16 --hf-static-cache --hf-prompt-lookup 0 \
+        --loom-modes default+tok2048 --hf-dtypes bfloat16 --hf-static-cache --hf-prompt-lookup 0 \
         --no-llama-cpp --no-doc ;;
     throughput)
       run throughput 200 "$PY" benchmarks/bench_throughput.py --model "$M" --device cuda \

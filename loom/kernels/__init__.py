@@ -5,6 +5,10 @@ check tensor dtypes, devices and layouts and raise on misuse, so callers decide 
 fallback once.
 """
 
+from types import ModuleType
+
+import torch
+
 from loom.kernels.build import kernel_status, load_library
 from loom.kernels.cpu_ops import (
     GGUF_C_BLOCK_TYPES,
@@ -27,6 +31,19 @@ from loom.kernels.cpu_ops import (
 # (`KVCacheSpec.arithmetic`).
 KERNEL_ARITHMETIC = "loom-cpu-2"
 
+
+
+def elementwise_kernels(x: torch.Tensor, *params: torch.Tensor) -> ModuleType | None:
+    """`loom.kernels.triton_elementwise` when an op on `x` (and `params`) should run on its
+    Triton kernels (a CUDA tensor, see `use_triton_elementwise`), else None. Imported at the
+    first CUDA op: CPU-only installs may lack Triton."""
+    if not x.is_cuda:
+        return None
+    from loom.kernels import triton_elementwise
+
+    return triton_elementwise if triton_elementwise.use_triton_elementwise(x, *params) else None
+
+
 __all__ = [
     "GGUF_C_BLOCK_TYPES",
     "KERNEL_ARITHMETIC",
@@ -34,6 +51,7 @@ __all__ = [
     "argmax_logsumexp",
     "cpu_kernels_available",
     "dequantize_gguf_blocks",
+    "elementwise_kernels",
     "kernel_status",
     "linear_f32",
     "linear_w8",

@@ -10,7 +10,7 @@ from torch import nn
 
 from loom.attention import AttentionSpec, PagedAttention
 from loom.errors import UnsupportedModelError
-from loom.kernels import linear_f32, rms_norm, use_cpu_kernels
+from loom.kernels import elementwise_kernels, linear_f32, rms_norm, use_cpu_kernels
 from loom.models.rope import RopeSpec, RotaryEmbedding
 
 # Calls of at least this many rows are compute-bound (prefill chunks, large batches): they
@@ -82,6 +82,9 @@ class RMSNorm(nn.Module):
                 x.contiguous(), self.weight, self.eps, 1.0 if self.gemma else 0.0,
                 None if residual is None else residual.contiguous(),
             )
+        kernels = elementwise_kernels(x, self.weight)
+        if kernels is not None and self._kernel_dtypes_match(x, residual):
+            return kernels.rms_norm(x, self.weight, self.eps, self.gemma, residual)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.gemma:
@@ -89,6 +92,13 @@ class RMSNorm(nn.Module):
         else:
             out = self.weight * h.to(x.dtype)
         return out if residual is None else residual + out
+
+    def _kernel_dtypes_match(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """Whether the result has x's dtype (what the Triton kernel writes): the Gemma form
+        casts back to it; the other multiplies by the weight in promoted arithmetic."""
+        return (self.gemma or self.weight.dtype == x.dtype) and (
+            residual is None or residual.dtype == x.dtype
+        )
 
 
 class GatedMLP(nn.Module):
@@ -120,7 +130,11 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the gated feed-forward block."""
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            kernels = elementwise_kernels(gate_up)
+            if kernels is not None and gate_up.dim() == 2:
+                return self.down_proj(kernels.gated_act(gate_up, self.activation))
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
@@ -211,9 +225,7 @@ class SelfAttention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
         out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v)
         return self.o_proj(out)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 
 from loom.attention.context import get_forward_context
 from loom.errors import UnsupportedModelError
-from loom.kernels import rope_neox, use_cpu_kernels
+from loom.kernels import elementwise_kernels, rope_neox, use_cpu_kernels
 
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -135,23 +136,58 @@ class RotaryEmbedding(nn.Module):
         return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+        q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q and k by their positions (tables shared by all layers of a step)."""
+        """Rotate q [T, H, D] and k [T, Hkv, D] by their positions (tables shared by all
+        layers of a step), after the per-head RMSNorms `q_norm` / `k_norm` when given (QK-norm
+        models); on CUDA each of q and k takes one fused kernel."""
+        weights = [n.weight for n in (q_norm, k_norm) if n is not None]
+        kernels = elementwise_kernels(q, *weights)
+        if kernels is not None and self._fuses(q, q_norm) and self._fuses(k, k_norm):
+            cos, sin = self._tables(positions, q.dtype)
+            return _norm_rope(kernels, q, q_norm, cos, sin), _norm_rope(kernels, k, k_norm,
+                                                                         cos, sin)
+        if q_norm is not None:
+            q = q_norm(q)
+        if k_norm is not None:
+            k = k_norm(k)
+        cos, sin = self._tables(positions, q.dtype)
+        if use_cpu_kernels(q):
+            return rope_neox(q.contiguous(), cos, sin), rope_neox(k.contiguous(), cos, sin)
+        return _rotate(q, cos[:, None, :], sin[:, None, :]), _rotate(k, cos[:, None, :],
+                                                                      sin[:, None, :])
+
+    def _fuses(self, x: torch.Tensor, norm: nn.Module | None = None) -> bool:
+        """Whether the fused kernel computes this rotation: a power-of-two head size (one
+        tile per head row), and a norm whose result keeps x's dtype."""
+        d = self.head_dim
+        return d & (d - 1) == 0 and x.shape[-1] == d and (
+            norm is None or norm.gemma or norm.weight.dtype == x.dtype
+        )
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, D] in `dtype`, made once per step and shared by every layer."""
         try:
             plan_cache = get_forward_context().metadata.plan_cache
         except RuntimeError:
             plan_cache = {}
-        key = ("rope", self.spec, self.head_dim, q.dtype, id(positions))
+        key = ("rope", self.spec, self.head_dim, dtype, id(positions))
         tables = plan_cache.get(key)
         if not isinstance(tables, tuple):
-            tables = plan_cache[key] = self.cos_sin(positions, q.dtype)
-        cos, sin = tables
-        if use_cpu_kernels(q):
+            cos, sin = self.cos_sin(positions, dtype)
             t, d = cos.shape[0], cos.shape[-1]
-            cos2, sin2 = cos.view(t, d), sin.view(t, d)
-            return rope_neox(q.contiguous(), cos2, sin2), rope_neox(k.contiguous(), cos2, sin2)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+            tables = plan_cache[key] = (cos.view(t, d), sin.view(t, d))
+        return tables
+
+
+def _norm_rope(kernels: ModuleType, x: torch.Tensor, norm: nn.Module | None,
+               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """rotary(norm(x)) in one Triton launch (`kernels` is loom.kernels.triton_elementwise)."""
+    if norm is None:
+        return kernels.norm_rope(x, None, 0.0, False, cos, sin)
+    return kernels.norm_rope(x, norm.weight, norm.eps, norm.gemma, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

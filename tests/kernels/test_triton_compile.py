@@ -1,12 +1,12 @@
-"""The Triton attention kernels compile for the GPU Loom is measured on, on any machine.
+"""The Triton kernels compile for the GPU Loom is measured on, on any machine.
 
 Triton compiles ahead of time for a named target with the ptxas it bundles, so a kernel
 that would not build on an H100 (a type error, a tile tl.dot rejects, too much shared
 memory) fails here, on a CPU-only machine, not first on a user's GPU. The launch
 configurations `paged_attention` makes for the default model's shapes (decode tiles split
 into parts, with windows and graph padding; prefill tiles in one part, with soft-capping;
-float32, float32 over a float16 cache, bfloat16) and the merge kernel are compiled for
-sm_90.
+float32, float32 over a float16 cache, bfloat16), the merge kernel and the fused
+norm / rotary / activation kernels (loom.kernels.triton_elementwise) are compiled for sm_90.
 
 The compiles run in a child process without TRITON_INTERPRET: the suite runs Triton's
 interpreter on a CPU (conftest), and under it Triton's own helpers (tl.cdiv, tl.sum, ...)
@@ -27,6 +27,7 @@ pytest.importorskip("triton")
 KERNEL_CONFIGS = [("fp32", "fp32", 1), ("fp32", "fp32", 16), ("fp32", "fp16", 1),
                   ("bf16", "bf16", 1), ("bf16", "bf16", 16)]
 MERGE_DTYPES = ["fp32", "bf16"]
+ELEMENTWISE_DTYPES = ["fp32", "bf16"]
 
 _CHILD = r'''
 import json, sys, warnings
@@ -35,6 +36,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from loom.kernels import triton_attention as ta
+from loom.kernels import triton_elementwise as te
 
 H100, HEAD_DIM, GROUP = GPUTarget("cuda", 90, 32), 256, 4
 
@@ -78,6 +80,26 @@ for out_dtype in json.loads(sys.argv[2]):
                  "out_ptr": f"*{out_dtype}", "num_rows": "i32", "num_parts": "i32"}
     constants = dict(HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM, BLOCK_P=ta.MAX_PARTS)
     results[f"merge {out_dtype}"] = compile_for_h100(ta._merge_parts, signature, constants, 4)
+for dt in json.loads(sys.argv[3]):
+    for gemma in (True, False):
+        for res in (True, False):
+            signature = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "res_ptr": f"*{dt}",
+                         "out_ptr": f"*{dt}", "dim": "i32", "x_stride": "i32",
+                         "res_stride": "i32", "out_stride": "i32", "eps": "fp32"}
+            results[f"rms_norm {dt} {gemma} {res}"] = compile_for_h100(
+                te._rms_norm_kernel, signature, dict(GEMMA=gemma, HAS_RES=res, BLOCK=1024), 4)
+        for norm in (True, False):
+            signature = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "cos_ptr": f"*{dt}",
+                         "sin_ptr": f"*{dt}", "out_ptr": f"*{dt}", "x_tok_stride": "i32",
+                         "x_head_stride": "i32", "heads": "i32", "eps": "fp32"}
+            results[f"norm_rope {dt} {gemma} {norm}"] = compile_for_h100(
+                te._norm_rope_kernel, signature,
+                dict(HEAD_DIM=HEAD_DIM, NORM=norm, GEMMA=gemma), 4)
+    for act in (0, 1):
+        signature = {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}", "width": "i32",
+                     "x_stride": "i32"}
+        results[f"gated_act {dt} {act}"] = compile_for_h100(
+            te._gated_act_kernel, signature, dict(ACT=act, BLOCK=te._ACT_BLOCK), 4)
 print(json.dumps(results))
 '''
 
@@ -88,7 +110,8 @@ def compiled() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, json.dumps(KERNEL_CONFIGS), json.dumps(MERGE_DTYPES)],
+        [sys.executable, "-c", _CHILD, json.dumps(KERNEL_CONFIGS), json.dumps(MERGE_DTYPES),
+         json.dumps(ELEMENTWISE_DTYPES)],
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -103,3 +126,14 @@ def test_attention_kernel_compiles_for_h100(compiled, q_dtype, kv_dtype, block_q
 @pytest.mark.parametrize("out_dtype", MERGE_DTYPES)
 def test_merge_kernel_compiles_for_h100(compiled, out_dtype):
     assert compiled[f"merge {out_dtype}"] == "ok"
+
+
+@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
+def test_elementwise_kernels_compile_for_h100(compiled, dtype):
+    """Every fused norm / rotary / gated-activation variant the layers launch."""
+    failed = {name: error for name, error in compiled.items()
+              if name.split()[0] in ("rms_norm", "norm_rope", "gated_act")
+              and name.split()[1] == dtype and error != "ok"}
+    variants = [n for n in compiled if n.split()[1:2] == [dtype]
+                and n.split()[0] in ("rms_norm", "norm_rope", "gated_act")]
+    assert len(variants) == 10 and not failed, failed
