@@ -149,6 +149,8 @@ def main() -> None:
         label = f"loom {c.engine_label(llm.engine.config)}"
         if mode == "default":
             label += " (default)"
+        elif mode.startswith("default+"):  # the defaults but one knob: name the knob
+            label += f" ({mode})"
         base = base or label
         c.log(f"{label}: {len(work)} prompts")
         results[label] = run_loom(llm, work)

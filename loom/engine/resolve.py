@@ -52,6 +52,17 @@ def resolve_device(device: str) -> str:
     return device
 
 
+# max_num_batched_tokens when not given, per device type.
+DEFAULT_STEP_TOKENS = {"cpu": 512, "cuda": 2048}
+
+
+def resolve_step_tokens(args: EngineArgs, device: str) -> int:
+    """The step's token budget: as given, else the device's default."""
+    if args.max_num_batched_tokens is not None:
+        return args.max_num_batched_tokens
+    return DEFAULT_STEP_TOKENS.get(torch.device(device).type, 512)
+
+
 def resolve_mode(args: EngineArgs, model_path: Path, device: str) -> tuple[ExecutionMode, str]:
     """dtype, quantization and KV dtype for this model on this host (see `loom.engine.mode`),
     validated, and the start-up line's description of them."""
@@ -100,7 +111,9 @@ def resolve_speculative_config(
 
 def build_engine_parts(args: EngineArgs) -> tuple[EngineConfig, Executor, Tokenizer]:
     """Resolve paths, dtype and device, load the model, size the KV pool, load the tokenizer."""
-    if args.block_size <= 0 or args.max_num_batched_tokens <= 0 or args.max_num_seqs <= 0:
+    step_tokens = args.max_num_batched_tokens
+    if args.block_size <= 0 or args.max_num_seqs <= 0 or (
+            step_tokens is not None and step_tokens <= 0):
         raise InvalidRequestError(
             "block_size, max_num_batched_tokens and max_num_seqs must be positive"
         )
@@ -144,7 +157,7 @@ def _build_model_parts(
         num_blocks * args.block_size,
     )
     scheduler = SchedulerConfig(
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=resolve_step_tokens(args, device),
         max_num_seqs=args.max_num_seqs,
         num_kv_blocks=num_blocks,
         block_size=args.block_size,

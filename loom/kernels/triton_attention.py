@@ -49,9 +49,15 @@ def _tanh(x):
 
 
 # Triton compiles a kernel again for every new combination of its integer arguments' value
-# classes (== 1, divisible by 16); these change from step to step (the token count, the
-# widest block table), so they are not specialised: one compile per tile shape, not per step.
-@triton.jit(do_not_specialize=["window", "num_rows", "max_blocks"])
+# classes (== 1, divisible by 16) and its pointers' alignment (to 16 bytes); these change
+# from step to step (the token count, the widest block table; where a step's packed metadata
+# puts its fields, and with it whether work_qoff or seq_lens starts on 16 bytes), so they are
+# not specialised: one compile per tile shape, not per step. (On an H100 a mixed step whose
+# item count was odd compiled a second variant: 1.5 s in the middle of a run.) The metadata
+# pointers are read one element at a time, so alignment would gain nothing there.
+@triton.jit(do_not_specialize=["window", "num_rows", "max_blocks"],
+            do_not_specialize_on_alignment=["tables_ptr", "seq_lens_ptr", "q_start_ptr",
+                                            "work_seq_ptr", "work_qoff_ptr", "real_lens_ptr"])
 def _attend_part(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, q_start_ptr, work_seq_ptr, work_qoff_ptr,
     real_lens_ptr, out_ptr, acc_ptr, m_ptr, l_ptr,

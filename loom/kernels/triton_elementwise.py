@@ -12,7 +12,9 @@ one launch:
 Every kernel rounds where the torch definition (loom.models.layers / rope) rounds: the
 statistics in float32, the result cast to the activation dtype at the same points, so the
 outputs differ from the torch ops only in the float32 summation order of the mean (and the
-last float32 bit of tanh). Triton's interpreter runs them on a CPU (tests).
+last float32 bit of tanh). They compile without floating-point contraction
+(enable_fp_fusion=False): fused into one multiply-add, `round(x * c) + y` would skip the
+rounding the torch definition makes. Triton's interpreter runs them on a CPU (tests).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def use_triton_elementwise(x: torch.Tensor, *params: torch.Tensor) -> bool:
 def _normalise(x, w, count, eps, GEMMA: tl.constexpr, OUT: tl.constexpr):
     """norm(x) of one float32 row, rounded as RMSNorm rounds: Gemma (x * r * (1 + w)) cast
     once; otherwise w * cast(x * r), cast again."""
-    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / count + eps)
+    r = tl.rsqrt(tl.sum(x * x, axis=0) / count + eps)
     if GEMMA:
         return (x * r * (1.0 + w)).to(OUT)
     return (w * (x * r).to(OUT).to(tl.float32)).to(OUT)
@@ -86,7 +88,7 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, x_tok_stride, x_h
     xp = tl.load(base + partner).to(tl.float32)
     out_ty = out_ptr.dtype.element_ty
     if NORM:
-        r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+        r = tl.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
         w = tl.load(w_ptr + cols).to(tl.float32)
         wp = tl.load(w_ptr + partner).to(tl.float32)
         if GEMMA:
@@ -145,6 +147,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool,
         _rms_norm_kernel[(rows.shape[0],)](
             rows, weight, res, out, dim, rows.stride(0), res.stride(0), out.stride(0), eps,
             GEMMA=gemma, HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(dim),
+            enable_fp_fusion=False,
         )
     return out.view(x.shape)
 
@@ -162,6 +165,7 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, gemma: b
         _norm_rope_kernel[(t, heads)](
             x, x if weight is None else weight, cos, sin, out, x.stride(0), x.stride(1),
             heads, eps, HEAD_DIM=dim, NORM=weight is not None, GEMMA=gemma,
+            enable_fp_fusion=False,
         )
     return out
 
@@ -176,5 +180,6 @@ def gated_act(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     if t:
         grid = (t, triton.cdiv(width, _ACT_BLOCK))
         _gated_act_kernel[grid](gate_up, out, width, gate_up.stride(0),
-                                ACT=ACTIVATION_CODES[activation], BLOCK=_ACT_BLOCK)
+                                ACT=ACTIVATION_CODES[activation], BLOCK=_ACT_BLOCK,
+                                enable_fp_fusion=False)
     return out
