@@ -4,12 +4,16 @@ weights' values; run generation benchmarks on such files with EOS ignored.
 
 The file is a Llama-architecture GGUF with SmolLM2's tokenizer (its metadata is copied from
 the `smollm2-135m-instruct` GGUF, so the vocabulary is SmolLM2's 49,152 tokens whatever the
-shape) and its matrices in Q8_0 (the `gguf` package's quantiser) or F16. Tensors are
-generated, quantised and written one at a time, so memory stays near one tensor. For the
-K-quant mixes of real files, quantise an F16 file with llama.cpp's own quantiser
-(`--llama-quantize`, needs `llama-cpp-python`: the `bench` extra).
+shape) and its matrices in Q8_0 (the `gguf` package's quantiser), F16, or Q4_K_M's mix of
+K-quant blocks (`--type q4_k_m`: random Q4_K and Q6_K blocks, no quantiser needed; Q6_K where
+llama.cpp's Q4_K_M puts it: the output / tied embedding, and attn_v and ffn_down of the
+first and last eighth of the layers and every third layer between). Tensors are generated,
+quantised and written one at a time, so memory stays near one tensor. Real quantised
+values: quantise an F16 file with llama.cpp's own quantiser (`--llama-quantize`, needs
+`llama-cpp-python`: the `bench` extra).
 
     python benchmarks/random_gguf.py --shape smollm2-1.7b --out /tmp/smollm2-1.7b-q8_0.gguf
+    python benchmarks/random_gguf.py --shape smollm2-1.7b --type q4_k_m --out /tmp/1.7b-q4km.gguf
     python benchmarks/random_gguf.py --shape llama-8b --type f16 --out /tmp/8b-f16.gguf \\
         --llama-quantize Q4_K_M   # writes /tmp/8b-f16.Q4_K_M.gguf beside it
 """
@@ -92,16 +96,40 @@ def _copy_tokenizer(writer: object, source: Path) -> int:
     return len(tokens)
 
 
+def _q4_k_m_type(name: str, layers: int, tied: bool) -> str:
+    """The block type llama.cpp's Q4_K_M gives tensor `name` (Q6_K or Q4_K)."""
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        return "Q6_K"
+    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+        i = int(name.split(".")[1])
+        more_bits = i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
+        return "Q6_K" if more_bits else "Q4_K"
+    return "Q4_K"
+
+
+def _random_k_blocks(rng: np.random.Generator, dims: tuple[int, ...], kind: str) -> np.ndarray:
+    """Random Q4_K / Q6_K blocks of a [rows, cols] tensor with small float16 scales (weights
+    of a few hundredths, as trained ones), uint8 [rows, bytes per row]."""
+    rows, cols = dims
+    count = rows * cols // 256
+    size, scale_at = (144, (0, 2)) if kind == "Q4_K" else (210, (208,))
+    blocks = rng.integers(0, 256, size=(count, size), dtype=np.uint8)
+    for at in scale_at:
+        scales = (rng.random(count, dtype=np.float32) * 3e-4 + 1e-4).astype(np.float16)
+        blocks[:, at:at + 2] = scales.view(np.uint8).reshape(count, 2)
+    return blocks.reshape(rows, -1)
+
+
 def write_random_gguf(path: Path, shape: Shape, kind: str, seed: int = 0,
                       log: Callable[[str], None] = print) -> Path:
-    """Write the file (`kind`: "q8_0" or "f16"); returns `path`."""
+    """Write the file (`kind`: "q8_0", "f16" or "q4_k_m"); returns `path`."""
     import gguf
     from gguf.quants import quant_shape_to_byte_shape
 
     from loom.loader.resolve import resolve_model_path
 
-    qtype = {"q8_0": gguf.GGMLQuantizationType.Q8_0,
-             "f16": gguf.GGMLQuantizationType.F16}[kind]
+    types = gguf.GGMLQuantizationType
+    qtype = {"q8_0": types.Q8_0, "f16": types.F16, "q4_k_m": None}[kind]
     writer = gguf.GGUFWriter(str(path), arch="llama")
     writer.add_block_count(shape.layers)
     writer.add_context_length(shape.context)
@@ -113,21 +141,31 @@ def write_random_gguf(path: Path, shape: Shape, kind: str, seed: int = 0,
     writer.add_rope_freq_base(shape.rope_theta)
     vocab = _copy_tokenizer(writer, resolve_model_path(_TOKENIZER_SOURCE))
     tensors = list(_tensors(shape, vocab))
+    names = {name for name, _ in tensors}
+
+    def type_of(name: str) -> object:
+        if qtype is not None:
+            return qtype
+        return types[_q4_k_m_type(name, shape.layers, "output.weight" not in names)]
+
     for name, dims in tensors:  # declare every tensor, then stream the data
         if len(dims) == 1:
             writer.add_tensor_info(name, dims, np.dtype(np.float32), dims[0] * 4)
         else:
-            nbytes = quant_shape_to_byte_shape(dims, qtype)
+            nbytes = quant_shape_to_byte_shape(dims, type_of(name))
             writer.add_tensor_info(name, nbytes, np.dtype(np.uint8),
-                                   int(np.prod(nbytes)), raw_dtype=qtype)
+                                   int(np.prod(nbytes)), raw_dtype=type_of(name))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
     began = time.perf_counter()
-    for _, dims in tensors:  # in the declared order
+    for name, dims in tensors:  # in the declared order
         if len(dims) == 1:
             writer.write_tensor_data(np.ones(dims, dtype=np.float32))
+            continue
+        if qtype is None:
+            writer.write_tensor_data(_random_k_blocks(rng, dims, type_of(name).name))
             continue
         values = rng.standard_normal(dims, dtype=np.float32) * np.float32(0.02)
         writer.write_tensor_data(gguf.quants.quantize(values, qtype))
@@ -155,7 +193,7 @@ def main() -> None:
     """Parse the arguments and write the file."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
-    parser.add_argument("--type", choices=["q8_0", "f16"], default="q8_0")
+    parser.add_argument("--type", choices=["q8_0", "f16", "q4_k_m"], default="q8_0")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--llama-quantize", choices=sorted(LLAMA_FTYPES), default=None,

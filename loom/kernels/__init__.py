@@ -13,16 +13,20 @@ from loom.kernels.build import kernel_status, load_library
 from loom.kernels.cpu_ops import (
     GGUF_C_BLOCK_TYPES,
     KV_CACHE_KERNEL_DTYPES,
+    W4A8_TYPES,
     argmax_logsumexp,
     cpu_kernels_available,
     dequantize_gguf_blocks,
     linear_f32,
+    linear_w4a8,
     linear_w8,
     linear_w8a8_reference,
     paged_attention,
     rms_norm,
     rope_neox,
     use_cpu_kernels,
+    w4a8_dequantize,
+    w4a8_pack,
 )
 
 # Names the arithmetic of the C kernels (the order of every floating-point operation a
@@ -48,12 +52,14 @@ __all__ = [
     "GGUF_C_BLOCK_TYPES",
     "KERNEL_ARITHMETIC",
     "KV_CACHE_KERNEL_DTYPES",
+    "W4A8_TYPES",
     "argmax_logsumexp",
     "cpu_kernels_available",
     "dequantize_gguf_blocks",
     "elementwise_kernels",
     "kernel_status",
     "linear_f32",
+    "linear_w4a8",
     "linear_w8",
     "linear_w8a8_reference",
     "load_library",
@@ -61,4 +67,6 @@ __all__ = [
     "rms_norm",
     "rope_neox",
     "use_cpu_kernels",
+    "w4a8_dequantize",
+    "w4a8_pack",
 ]

@@ -960,19 +960,25 @@ static void w8a8_body(const int8_t *xq, const float *xs, const int32_t *xsum, in
 typedef struct {
     int8_t *xq;
     float *xs;
-    int32_t *xsum;
+    int32_t *xsum; /* 128 * X, X the plain sum of a block's int8 values */
+    /* w4a8 only (see "w4a8" below): xs * X, and the sums of each block's two halves */
+    float *xsx;
+    int32_t *x16; /* [rows, 2 * blocks] */
 } QuantBuffers;
 
 static QuantBuffers quant_buffers(int64_t m, int64_t k) {
     QuantBuffers q;
+    const int64_t nb = m * (k / QBLOCK) + 1;
     q.xq = (int8_t *)aligned_alloc(32, (size_t)((m * k + 31) / 32 * 32));
-    q.xs = (float *)malloc((size_t)(m * (k / QBLOCK) + 1) * sizeof(float));
-    q.xsum = (int32_t *)malloc((size_t)(m * (k / QBLOCK) + 1) * sizeof(int32_t));
+    q.xs = (float *)malloc((size_t)nb * sizeof(float));
+    q.xsum = (int32_t *)malloc((size_t)nb * sizeof(int32_t));
+    q.xsx = (float *)malloc((size_t)nb * sizeof(float));
+    q.x16 = (int32_t *)malloc((size_t)(2 * nb) * sizeof(int32_t));
     return q;
 }
 
 static void free_quant_buffers(QuantBuffers q) {
-    free(q.xq), free(q.xs), free(q.xsum);
+    free(q.xq), free(q.xs), free(q.xsum), free(q.xsx), free(q.x16);
 }
 
 /* y[m, n] = w8a8(x, W) (+ bias) with W packed (see w8a8_body); k a multiple of 32. Rows are
@@ -1068,7 +1074,7 @@ LOOM_EXPORT void loom_linear_f32(const float *x, int64_t m, int64_t k, const flo
 /* A linear layer as the fused decoder sees it. */
 typedef struct {
     /* 0 float32 weight, 1 int8 weight-only (row-major), 2 int8 weights x int8 activations
-     * (the weight packed as w8a8_body reads it) */
+     * (the weight packed as w8a8_body reads it), 3 w4a8 (weight: a W4Segments) */
     int32_t kind;
     int32_t reserved;
     int64_t in_features, out_features;
@@ -1091,6 +1097,9 @@ typedef struct {
     const float *q_norm, *k_norm; /* NULL: no QK norm */
 } LoomDecoderLayer;
 
+static void w4_linear_kind3_body(const void *segments, const float *x, int64_t m, int64_t k,
+                                 const float *bias, float *y, const QuantBuffers *q);
+
 /* q: the workspace for quantised activations, sized for m rows of the widest input. */
 static void linear_any_body(const LoomLinear *l, const float *x, int64_t m, float *y,
                             const QuantBuffers *q) {
@@ -1099,10 +1108,12 @@ static void linear_any_body(const LoomLinear *l, const float *x, int64_t m, floa
     } else if (l->kind == 1) {
         w8_body(x, m, l->in_features, (const int8_t *)l->weight, l->scale, l->bias,
                 l->out_features, y);
-    } else {
+    } else if (l->kind == 2) {
         quantize_rows_body(x, m, l->in_features, q->xq, q->xs, q->xsum);
         w8a8_body(q->xq, q->xs, q->xsum, m, l->in_features, (const uint8_t *)l->weight, l->scale,
                   l->bias, l->out_features, y);
+    } else {
+        w4_linear_kind3_body(l->weight, x, m, l->in_features, l->bias, y, q);
     }
 }
 
@@ -1460,4 +1471,467 @@ LOOM_EXPORT int64_t loom_dequantize(int64_t type, const uint8_t *src, int64_t nb
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < nblocks; i++) fn(src + i * bytes, dst + i * values);
     return 0;
+}
+
+
+/* ---- w4a8: GGUF K-quant weights computed from their own blocks, int8 activations ----
+ *
+ * The weights of a Q4_K or Q6_K tensor are the file's integers and scales, repacked once
+ * (`loom_w4a8_pack`) so that a 32-byte load holds 4 consecutive k of 8 output columns, as
+ * the w8a8 kernel reads its weights; activations are rounded to int8 per block of 32 as w8a8
+ * rounds them (quantize_row_q8). For output column c and activation row r, over the blocks b
+ * of 32 k in order (super-block s = b / 8, sub-block j = b % 8; xs, X = the block's scale and
+ * the plain sum of its int8 values; X_lo, X_hi the sums of its two halves of 16):
+ *
+ *   Q4_K (w = d * sc * q - dmin * m, q in 0..15):
+ *     I    = sum q * xq over the block (exact int32)
+ *     acc  = fmaf((float)I, (d[s] * (float)sc[s][j]) * xs, acc)
+ *     mins = fmaf(dmin[s] * (float)m[s][j], xs * (float)X, mins)
+ *     y    = acc - mins (+ bias)
+ *   Q6_K (w = d * sc16 * (q - 32), q in 0..63, one scale per 16 k):
+ *     J    = sc[s][2j] * (I_lo - 32 * X_lo) + sc[s][2j + 1] * (I_hi - 32 * X_hi)   (int32)
+ *     acc  = fmaf((float)J, d[s] * xs, acc)
+ *     y    = acc (+ bias)
+ *
+ * Every integer is exact (|J| < 2^24, so its float is too) and every float operation runs
+ * in this order in every variant and in `loom_linear_w4a8_ref` (plain C, one output at a
+ * time: the tests' oracle): a row's result is the same bits in any call, batch or chunk.
+ *
+ * Packed layout, per group of 8 columns (the last padded with zero weights) and super-block
+ * of 256 k, records one after another along k:
+ *   Q4_K (1216 bytes): d[8] f32 | dmin[8] f32 | sc[8 blocks][8 cols] u8 | m[8][8] u8 |
+ *                      lo[8 blocks][128]
+ *   Q6_K (1696 bytes): d[8] f32 | sc[16 halves][8 cols] i8 | lo[8 blocks][128] |
+ *                      hi[8 blocks][64]
+ * lo: byte v * 32 + c * 4 + i holds k = 8 v + i (low nibble) and 8 v + 4 + i (high nibble)
+ * of the block; hi (Q6_K's top two bits): byte u * 32 + c * 4 + i holds k = 16 u + 4 p + i
+ * in bits 2p, 2p + 1. */
+
+#define W4_SB 256
+#define W4_Q4K 12
+#define W4_Q6K 14
+#define W4_REC_Q4K 1216
+#define W4_REC_Q6K 1696
+
+static inline int64_t w4_record_bytes(int64_t type) {
+    return type == W4_Q4K ? W4_REC_Q4K : type == W4_Q6K ? W4_REC_Q6K : -1;
+}
+
+/* The q values (0..15 or 0..63) and scales of one file super-block of one row. */
+static void w4_decode_q4k(const uint8_t *b, float *d, float *dmin, uint8_t sc[8],
+                          uint8_t mn[8], uint8_t q[256]) {
+    *d = f16_to_f32(b), *dmin = f16_to_f32(b + 2);
+    k_scale_min(b + 4, sc, mn);
+    for (int g = 0; g < 8; g++)
+        for (int i = 0; i < 32; i++) q[32 * g + i] = (b[16 + 32 * (g / 2) + i] >> (4 * (g % 2))) & 15;
+}
+
+static void w4_decode_q6k(const uint8_t *b, float *d, int8_t sc[16], uint8_t q[256]) {
+    const uint8_t *ql = b, *qh = b + 128;
+    for (int o = 0; o < 256; o++) {
+        int half = o / 128, r = o % 128;
+        int low = (ql[64 * half + r % 64] >> (4 * (r / 64))) & 0x0F;
+        int high = (qh[32 * half + r % 32] >> (2 * (r / 32))) & 0x03;
+        q[o] = (uint8_t)(low | (high << 4));
+    }
+    memcpy(sc, b + 192, 16);
+    *d = f16_to_f32(b + 208);
+}
+
+/* Byte offsets of k-in-block kk, column c in a block's lo / hi area, and the shifts. */
+static inline int w4_lo_at(int c, int kk) { return (kk / 8) * 32 + c * 4 + kk % 4; }
+static inline int w4_lo_shift(int kk) { return 4 * ((kk / 4) % 2); }
+static inline int w4_hi_at(int c, int kk) { return (kk / 16) * 32 + c * 4 + kk % 4; }
+static inline int w4_hi_shift(int kk) { return 2 * ((kk / 4) % 4); }
+
+/* raw: the file's blocks of a [n, k] tensor (rows of k / 256 super-blocks); out: the packed
+ * layout above (zeroed by the caller). Returns 0, or -1 for another type or a k that is not
+ * a multiple of 256. */
+LOOM_EXPORT int64_t loom_w4a8_pack(int64_t type, const uint8_t *raw, int64_t n, int64_t k,
+                                   uint8_t *out) {
+    const int64_t rec = w4_record_bytes(type), nsb = k / W4_SB;
+    if (rec < 0 || k % W4_SB) return -1;
+    const int64_t src_bytes = type == W4_Q4K ? 144 : 210, groups = (n + COLS - 1) / COLS;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t s = 0; s < nsb; s++) {
+            uint8_t *r = out + (g * nsb + s) * rec;
+            for (int c = 0; c < COLS && g * COLS + c < n; c++) {
+                const uint8_t *b = raw + ((g * COLS + c) * nsb + s) * src_bytes;
+                uint8_t q[256];
+                float d, dmin = 0.0f;
+                uint8_t *lo;
+                if (type == W4_Q4K) {
+                    uint8_t sc[8], mn[8];
+                    w4_decode_q4k(b, &d, &dmin, sc, mn, q);
+                    memcpy(r + 32 + 4 * c, &dmin, 4);
+                    for (int j = 0; j < 8; j++) r[64 + j * 8 + c] = sc[j], r[128 + j * 8 + c] = mn[j];
+                    lo = r + 192;
+                } else {
+                    int8_t sc[16];
+                    w4_decode_q6k(b, &d, sc, q);
+                    for (int h = 0; h < 16; h++) r[32 + h * 8 + c] = (uint8_t)sc[h];
+                    lo = r + 160;
+                    uint8_t *hi = r + 1184;
+                    for (int kk = 0; kk < 256; kk++)
+                        hi[(kk / 32) * 64 + w4_hi_at(c, kk % 32)] |=
+                            (uint8_t)((q[kk] >> 4) << w4_hi_shift(kk % 32));
+                }
+                memcpy(r + 4 * c, &d, 4);
+                for (int kk = 0; kk < 256; kk++)
+                    lo[(kk / 32) * 128 + w4_lo_at(c, kk % 32)] |=
+                        (uint8_t)((q[kk] & 15) << w4_lo_shift(kk % 32));
+            }
+        }
+    return 0;
+}
+
+/* Weight of column c (0..7), k-in-super-block kk, of one record, with the file's float
+ * operations (dequant_q4_k / dequant_q6_k): the same bits as dequantising the file. */
+static inline float w4_weight(int64_t type, const uint8_t *r, int c, int kk) {
+    const int j = kk / 32, i = kk % 32;
+    float d;
+    memcpy(&d, r + 4 * c, 4);
+    if (type == W4_Q4K) {
+        float dmin;
+        memcpy(&dmin, r + 32 + 4 * c, 4);
+        const int q = (r[192 + j * 128 + w4_lo_at(c, i)] >> w4_lo_shift(i)) & 15;
+        return d * (float)r[64 + j * 8 + c] * (float)q - dmin * (float)r[128 + j * 8 + c];
+    }
+    const int lo = (r[160 + j * 128 + w4_lo_at(c, i)] >> w4_lo_shift(i)) & 15;
+    const int hi = (r[1184 + j * 64 + w4_hi_at(c, i)] >> w4_hi_shift(i)) & 3;
+    const float ds = d * (float)(int8_t)r[32 + (2 * j + i / 16) * 8 + c];
+    return ds * (float)((lo | (hi << 4)) - 32);
+}
+
+/* The float32 weight [n, k] of a packed tensor (tests, and hosts without the kernels'
+ * w4a8 path). Returns 0 or -1 for an unknown type. */
+LOOM_EXPORT int64_t loom_w4a8_dequantize(int64_t type, const uint8_t *packed, int64_t n,
+                                         int64_t k, float *out) {
+    const int64_t rec = w4_record_bytes(type), nsb = k / W4_SB;
+    if (rec < 0 || k % W4_SB) return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < n; o++)
+        for (int64_t s = 0; s < nsb; s++) {
+            const uint8_t *r = packed + ((o / COLS) * nsb + s) * rec;
+            for (int kk = 0; kk < W4_SB; kk++)
+                out[o * k + s * W4_SB + kk] = w4_weight(type, r, (int)(o % COLS), kk);
+        }
+    return 0;
+}
+
+/* The activations of a w4a8 call are QuantBuffers with xsx and x16 filled. */
+typedef QuantBuffers W4Act;
+
+static void w4_act_finish_row(W4Act a, int64_t r, int64_t k) {
+    const int64_t nb = k / QBLOCK;
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *q = a.xq + r * k + b * QBLOCK;
+        int32_t lo = 0, hi = 0;
+        for (int i = 0; i < 16; i++) lo += q[i], hi += q[16 + i];
+        a.x16[(r * nb + b) * 2] = lo, a.x16[(r * nb + b) * 2 + 1] = hi;
+        a.xsx[r * nb + b] = a.xs[r * nb + b] * (float)(lo + hi);
+    }
+}
+
+static void w4_act_body(const float *x, int64_t m, int64_t k, W4Act a) {
+    const int64_t nb = k / QBLOCK;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        quantize_row_q8(x + r * k, k, a.xq + r * k, a.xs + r * nb, a.xsum + r * nb);
+        w4_act_finish_row(a, r, k);
+    }
+}
+
+/* The segments of a w4a8 linear layer (what LoomLinear.weight points to for kind 3). */
+#define W4_MAX_SEGMENTS 4
+typedef struct {
+    int64_t count;
+    int64_t types[W4_MAX_SEGMENTS];
+    const uint8_t *packed[W4_MAX_SEGMENTS];
+    int64_t columns[W4_MAX_SEGMENTS];
+} W4Segments;
+
+static void w4_linear_segments_body(const W4Segments *segs, const W4Act *a, int64_t m,
+                                    int64_t k, const float *bias, float *y);
+
+/* acc + the exact int32 products of unsigned weights w (0..63) and signed activations xb,
+ * four per lane. VNNI: one instruction; AVX2: u8 x s8 pairs in int16 (at most 2 * 63 * 127,
+ * no saturation), then pairs of pairs. The same integers. */
+static inline __m256i dot_u8s8(__m256i acc, __m256i w, __m256i xb) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, w, xb);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, w, xb);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, xb),
+                                                   _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline __m256i w4_x4(const W4Act *a, int64_t row, int64_t k, int64_t at) {
+    int32_t v;
+    memcpy(&v, a->xq + row * k + at, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* 8 bytes -> 8 floats (u8 or i8). */
+static inline __m256 w4_u8x8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline __m256i w4_i8x8(const uint8_t *p) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+
+#define W4_MAXR 4
+#define W4_MAXC 2
+
+/* y[r0 .. r0 + R, columns of groups g0 .. g0 + C] of one segment, as the arithmetic above
+ * says; w: the segment's packed weight, n its columns, y0 the segment's first column in y
+ * (row stride ny). */
+static inline __attribute__((always_inline)) void w4_tile(
+    int64_t type, const W4Act *a, int64_t r0, int R, int64_t k, const uint8_t *w, int64_t g0,
+    int C, int64_t n, const float *bias, float *y, int64_t ny) {
+    const int64_t nsb = k / W4_SB, nb = k / QBLOCK, rec = w4_record_bytes(type);
+    const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3);
+    __m256 acc[W4_MAXR][W4_MAXC], mins[W4_MAXR][W4_MAXC];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = mins[r][c] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t *rc[W4_MAXC];
+        for (int c = 0; c < C; c++) rc[c] = w + ((g0 + c) * nsb + s) * rec;
+        for (int j = 0; j < 8; j++) {
+            const int64_t b = s * 8 + j, at = b * QBLOCK;
+            if (type == W4_Q4K) {
+                __m256i iacc[W4_MAXR][W4_MAXC];
+                for (int r = 0; r < R; r++)
+                    for (int c = 0; c < C; c++) iacc[r][c] = _mm256_setzero_si256();
+                for (int v = 0; v < 4; v++) {
+                    __m256i lo[W4_MAXC], hi[W4_MAXC];
+                    for (int c = 0; c < C; c++) {
+                        const __m256i raw = _mm256_loadu_si256(
+                            (const __m256i *)(rc[c] + 192 + j * 128 + v * 32));
+                        lo[c] = _mm256_and_si256(raw, low4);
+                        hi[c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                    }
+                    for (int r = 0; r < R; r++) {
+                        const __m256i x0 = w4_x4(a, r0 + r, k, at + 8 * v);
+                        const __m256i x1 = w4_x4(a, r0 + r, k, at + 8 * v + 4);
+                        for (int c = 0; c < C; c++)
+                            iacc[r][c] = dot_u8s8(dot_u8s8(iacc[r][c], lo[c], x0), hi[c], x1);
+                    }
+                }
+                for (int c = 0; c < C; c++) {
+                    const __m256 ds = _mm256_mul_ps(_mm256_loadu_ps((const float *)rc[c]),
+                                                    w4_u8x8(rc[c] + 64 + j * 8));
+                    const __m256 dm = _mm256_mul_ps(_mm256_loadu_ps((const float *)(rc[c] + 32)),
+                                                    w4_u8x8(rc[c] + 128 + j * 8));
+                    for (int r = 0; r < R; r++) {
+                        const int64_t ab = (r0 + r) * nb + b;
+                        const __m256 coef = _mm256_mul_ps(ds, _mm256_set1_ps(a->xs[ab]));
+                        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][c]), coef,
+                                                    acc[r][c]);
+                        mins[r][c] = _mm256_fmadd_ps(dm, _mm256_set1_ps(a->xsx[ab]), mins[r][c]);
+                    }
+                }
+            } else {
+                /* J = sum over the halves of sc_h * sum q * xq, minus 32 * (sc_a X_a +
+                 * sc_b X_b): the scales enter as the int16 multipliers of the pair sums
+                 * (maddubs pairs, then madd by the column's scale: exact), the correction
+                 * as one madd of the (sc_a, sc_b) pair by (X_a, X_b). */
+                __m256i iacc[W4_MAXR][W4_MAXC], scale16[W4_MAXC][2], pair16[W4_MAXC];
+                for (int c = 0; c < C; c++) {
+                    const __m128i sa = _mm_loadl_epi64((const __m128i *)(rc[c] + 32 + 16 * j));
+                    const __m128i sb = _mm_loadl_epi64((const __m128i *)(rc[c] + 40 + 16 * j));
+                    scale16[c][0] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sa, sa));
+                    scale16[c][1] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sb, sb));
+                    pair16[c] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sa, sb));
+                }
+                for (int r = 0; r < R; r++)
+                    for (int c = 0; c < C; c++) iacc[r][c] = _mm256_setzero_si256();
+                const __m256i top = _mm256_set1_epi8(0x30);
+                for (int u = 0; u < 2; u++) { /* halves of 16 k: 4 steps each */
+                    __m256i q[W4_MAXC][4];
+                    for (int c = 0; c < C; c++) {
+                        const __m256i h = _mm256_loadu_si256(
+                            (const __m256i *)(rc[c] + 1184 + j * 64 + u * 32));
+                        /* step t's top bits are bits 2t, 2t + 1 of h: moved to bits 4, 5 */
+                        const __m256i h4[4] = {
+                            _mm256_and_si256(_mm256_slli_epi16(h, 4), top),
+                            _mm256_and_si256(_mm256_slli_epi16(h, 2), top),
+                            _mm256_and_si256(h, top),
+                            _mm256_and_si256(_mm256_srli_epi16(h, 2), top)};
+                        for (int v = 0; v < 2; v++) {
+                            const __m256i raw = _mm256_loadu_si256(
+                                (const __m256i *)(rc[c] + 160 + j * 128 + (2 * u + v) * 32));
+                            q[c][2 * v] = _mm256_or_si256(_mm256_and_si256(raw, low4), h4[2 * v]);
+                            q[c][2 * v + 1] = _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4), h4[2 * v + 1]);
+                        }
+                    }
+                    for (int r = 0; r < R; r++)
+                        for (int t = 0; t < 4; t++) {
+                            const __m256i x = w4_x4(a, r0 + r, k, at + 16 * u + 4 * t);
+                            for (int c = 0; c < C; c++)
+                                iacc[r][c] = _mm256_add_epi32(iacc[r][c], _mm256_madd_epi16(
+                                    _mm256_maddubs_epi16(q[c][t], x), scale16[c][u]));
+                        }
+                }
+                for (int c = 0; c < C; c++) {
+                    const __m256 d = _mm256_loadu_ps((const float *)rc[c]);
+                    for (int r = 0; r < R; r++) {
+                        const int64_t ab = (r0 + r) * nb + b;
+                        const uint32_t xab = (uint32_t)(uint16_t)a->x16[2 * ab] |
+                                             (uint32_t)a->x16[2 * ab + 1] << 16;
+                        const __m256i corr = _mm256_slli_epi32(
+                            _mm256_madd_epi16(pair16[c], _mm256_set1_epi32((int32_t)xab)), 5);
+                        const __m256i jj = _mm256_sub_epi32(iacc[r][c], corr);
+                        const __m256 coef = _mm256_mul_ps(d, _mm256_set1_ps(a->xs[ab]));
+                        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(jj), coef, acc[r][c]);
+                    }
+                }
+            }
+        }
+    }
+    for (int c = 0; c < C; c++) {
+        const int64_t col = (g0 + c) * COLS;
+        const int64_t valid = n - col < COLS ? n - col : COLS;
+        for (int r = 0; r < R; r++) {
+            float v[COLS];
+            _mm256_storeu_ps(v, _mm256_sub_ps(acc[r][c], mins[r][c]));
+            float *yr = y + (r0 + r) * ny + col;
+            for (int64_t i = 0; i < valid; i++) yr[i] = bias ? v[i] + bias[col + i] : v[i];
+        }
+    }
+}
+
+static void w4_tile_any(int64_t type, const W4Act *a, int64_t r0, int R, int64_t k,
+                        const uint8_t *w, int64_t g0, int C, int64_t n, const float *bias,
+                        float *y, int64_t ny) {
+#define W4_CASE(TT, RR, CC)                                                                  \
+    if (type == TT && R == RR && C == CC) {                                                  \
+        w4_tile(TT, a, r0, RR, k, w, g0, CC, n, bias, y, ny);                                \
+        return;                                                                              \
+    }
+    W4_CASE(W4_Q4K, 1, 1) W4_CASE(W4_Q4K, 1, 2) W4_CASE(W4_Q4K, 2, 1) W4_CASE(W4_Q4K, 2, 2)
+    W4_CASE(W4_Q4K, 3, 1) W4_CASE(W4_Q4K, 4, 1)
+    W4_CASE(W4_Q6K, 1, 1) W4_CASE(W4_Q6K, 1, 2) W4_CASE(W4_Q6K, 2, 1) W4_CASE(W4_Q6K, 2, 2)
+    W4_CASE(W4_Q6K, 3, 1) W4_CASE(W4_Q6K, 4, 1)
+#undef W4_CASE
+}
+
+/* One segment of outputs [y0, y0 + n) of y (row stride ny): work items (pair of column
+ * groups, row block) split statically over the threads. */
+static void w4_segment_body(int64_t type, const W4Act *a, int64_t m, int64_t k,
+                            const uint8_t *w, int64_t n, const float *bias, float *y,
+                            int64_t ny) {
+    const int64_t groups = (n + COLS - 1) / COLS, pairs = (groups + 1) / 2;
+    const int64_t rows = m == 1 ? 1 : 4, blocks = (m + rows - 1) / rows;
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < pairs * blocks; task++) {
+        const int64_t g0 = task / blocks * 2, r0 = task % blocks * rows;
+        const int R = m - r0 < rows ? (int)(m - r0) : (int)rows;
+        const int C = g0 + 1 < groups ? 2 : 1;
+        if (R <= 2) {
+            w4_tile_any(type, a, r0, R, k, w, g0, C, n, bias, y, ny);
+        } else { /* 3-4 rows: one group at a time keeps the accumulators in registers */
+            for (int c = 0; c < C; c++) w4_tile_any(type, a, r0, R, k, w, g0 + c, 1, n, bias, y, ny);
+        }
+    }
+}
+
+static void w4_linear_segments_body(const W4Segments *segs, const W4Act *a, int64_t m,
+                                    int64_t k, const float *bias, float *y) {
+    int64_t ny = 0, y0 = 0;
+    for (int64_t i = 0; i < segs->count; i++) ny += segs->columns[i];
+    for (int64_t i = 0; i < segs->count; i++) {
+        w4_segment_body(segs->types[i], a, m, k, segs->packed[i], segs->columns[i],
+                        bias ? bias + y0 : NULL, y + y0, ny);
+        y0 += segs->columns[i];
+    }
+}
+
+/* y[m, sum of ns] = the w4a8 arithmetic of x [m, k] with `nseg` packed segments stacked
+ * along the outputs (segment i: type types[i], ns[i] columns); bias over all columns or
+ * NULL. Rows are independent: a row's result is the same bits in any call. */
+LOOM_EXPORT void loom_linear_w4a8(const float *x, int64_t m, int64_t k, int64_t nseg,
+                                  const int64_t *types, const uint8_t *const *packed,
+                                  const int64_t *ns, const float *bias, float *y) {
+    int64_t ny = 0;
+    for (int64_t i = 0; i < nseg; i++) ny += ns[i];
+    (void)ny;
+    W4Segments segs = {.count = nseg};
+    for (int64_t i = 0; i < nseg && i < W4_MAX_SEGMENTS; i++)
+        segs.types[i] = types[i], segs.packed[i] = packed[i], segs.columns[i] = ns[i];
+    const W4Act a = quant_buffers(m, k);
+#pragma omp parallel
+    {
+        w4_act_body(x, m, k, a);
+        w4_linear_segments_body(&segs, &a, m, k, bias, y);
+    }
+    free_quant_buffers(a);
+}
+
+/* The w4a8 arithmetic one output at a time in plain C, from the packed records through
+ * w4-independent accessors: the oracle of the tests. Same arguments as loom_linear_w4a8. */
+LOOM_EXPORT void loom_linear_w4a8_ref(const float *x, int64_t m, int64_t k, int64_t nseg,
+                                      const int64_t *types, const uint8_t *const *packed,
+                                      const int64_t *ns, const float *bias, float *y) {
+    int64_t ny = 0;
+    for (int64_t i = 0; i < nseg; i++) ny += ns[i];
+    const int64_t nb = k / QBLOCK, nsb = k / W4_SB;
+    const W4Act a = quant_buffers(m, k);
+    for (int64_t r = 0; r < m; r++) {
+        quantize_row_q8_scalar(x + r * k, k, a.xq + r * k, a.xs + r * nb, a.xsum + r * nb);
+        w4_act_finish_row(a, r, k);
+    }
+    int64_t y0 = 0;
+    for (int64_t seg = 0; seg < nseg; seg++) {
+        const int64_t type = types[seg], rec = w4_record_bytes(type);
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t o = 0; o < ns[seg]; o++) {
+                const int c = (int)(o % COLS);
+                float acc = 0.0f, mins = 0.0f;
+                for (int64_t b = 0; b < nb; b++) {
+                    const int64_t s = b / 8, j = b % 8, ab = r * nb + b;
+                    const uint8_t *rc = packed[seg] + ((o / COLS) * nsb + s) * rec;
+                    const int8_t *xq = a.xq + r * k + b * QBLOCK;
+                    float d;
+                    memcpy(&d, rc + 4 * c, 4);
+                    if (type == W4_Q4K) {
+                        int32_t i32 = 0;
+                        for (int i = 0; i < 32; i++)
+                            i32 += ((rc[192 + j * 128 + w4_lo_at(c, i)] >> w4_lo_shift(i)) & 15) * xq[i];
+                        float dmin;
+                        memcpy(&dmin, rc + 32 + 4 * c, 4);
+                        const float ds = d * (float)rc[64 + j * 8 + c];
+                        acc = fmaf((float)i32, ds * a.xs[ab], acc);
+                        mins = fmaf(dmin * (float)rc[128 + j * 8 + c], a.xsx[ab], mins);
+                    } else {
+                        int32_t half[2] = {0, 0};
+                        for (int i = 0; i < 32; i++) {
+                            const int lo = (rc[160 + j * 128 + w4_lo_at(c, i)] >> w4_lo_shift(i)) & 15;
+                            const int hi = (rc[1184 + j * 64 + w4_hi_at(c, i)] >> w4_hi_shift(i)) & 3;
+                            half[i / 16] += (lo | (hi << 4)) * xq[i];
+                        }
+                        const int32_t sa = (int8_t)rc[32 + (2 * j) * 8 + c];
+                        const int32_t sb = (int8_t)rc[32 + (2 * j + 1) * 8 + c];
+                        const int32_t jj = sa * (half[0] - 32 * a.x16[2 * ab]) +
+                                           sb * (half[1] - 32 * a.x16[2 * ab + 1]);
+                        acc = fmaf((float)jj, d * a.xs[ab], acc);
+                    }
+                }
+                const float v = acc - mins;
+                y[r * ny + y0 + o] = bias ? v + bias[y0 + o] : v;
+            }
+        y0 += ns[seg];
+    }
+    free_quant_buffers(a);
+}
+
+/* Kind 3 of the fused decoder's linear layers: quantise the rows, then every segment. */
+static void w4_linear_kind3_body(const void *segments, const float *x, int64_t m, int64_t k,
+                                 const float *bias, float *y, const QuantBuffers *q) {
+    w4_act_body(x, m, k, *q);
+    w4_linear_segments_body((const W4Segments *)segments, q, m, k, bias, y);
 }

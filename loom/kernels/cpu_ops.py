@@ -259,3 +259,70 @@ def dequantize_gguf_blocks(raw: np.ndarray, type_id: int, out: torch.Tensor) -> 
         raise ValueError(f"{blocks} blocks hold {blocks * block_values} values, "
                          f"not the {out.numel()} of the output")
     return lib.loom_dequantize(type_id, raw.ctypes.data, blocks, out.data_ptr()) == 0
+
+
+# GGUF block types the w4a8 kernel computes from (type id -> packed bytes per group of 8
+# columns and 256 k; see "w4a8" in cpu_kernels.c): Q4_K and Q6_K, the types of Q4_K_M files.
+W4A8_TYPES = {12: 1216, 14: 1696}
+W4A8_GROUP = 8
+W4A8_SUPER_BLOCK = 256
+
+
+def w4a8_pack(raw: torch.Tensor, type_id: int, n: int, k: int) -> torch.Tensor:
+    """The file's blocks of a [n, k] Q4_K / Q6_K tensor (uint8, contiguous) repacked as the
+    w4a8 kernel reads them: uint8 [ceil(n / 8), k / 256, record bytes]."""
+    if type_id not in W4A8_TYPES or k % W4A8_SUPER_BLOCK:
+        raise ValueError(f"w4a8 packs GGUF types {sorted(W4A8_TYPES)} with k % 256 == 0, "
+                         f"got type {type_id}, k = {k}")
+    _check(raw, "raw", torch.uint8)
+    src_bytes = {12: 144, 14: 210}[type_id]
+    if raw.numel() != n * (k // W4A8_SUPER_BLOCK) * src_bytes:
+        raise ValueError(f"{raw.numel()} bytes are not a [{n}, {k}] tensor of type {type_id}")
+    out = torch.zeros((-(-n // W4A8_GROUP), k // W4A8_SUPER_BLOCK, W4A8_TYPES[type_id]),
+                      dtype=torch.uint8)
+    if _lib().loom_w4a8_pack(type_id, raw.data_ptr(), n, k, out.data_ptr()) != 0:
+        raise ValueError(f"w4a8 cannot pack type {type_id}")
+    return out
+
+
+def w4a8_dequantize(packed: torch.Tensor, type_id: int, n: int, k: int) -> torch.Tensor:
+    """The float32 weight [n, k] of a packed tensor: the file's dequantised values, bit for
+    bit."""
+    _check(packed, "packed", torch.uint8)
+    out = torch.empty((n, k), dtype=torch.float32)
+    if _lib().loom_w4a8_dequantize(type_id, packed.data_ptr(), n, k, out.data_ptr()) != 0:
+        raise ValueError(f"w4a8 cannot dequantize type {type_id}")
+    return out
+
+
+def linear_w4a8(x: torch.Tensor, segments: list[tuple[int, torch.Tensor, int]],
+                bias: torch.Tensor | None, reference: bool = False) -> torch.Tensor:
+    """x [M, K] float32 times the packed weights `segments` [(type id, packed, columns), ...]
+    stacked along the outputs (+ bias) -> [M, sum of columns], in the w4a8 arithmetic (int8
+    activations per block of 32, exact integer block sums, one fixed float order: the same
+    bits for a row in any call). `reference=True` runs the plain-C oracle."""
+    _check(x, "x", torch.float32)
+    m, k = x.shape
+    if k % W4A8_SUPER_BLOCK:
+        raise ValueError(f"w4a8 needs K % 256 == 0, got K = {k}")
+    n = sum(cols for _, _, cols in segments)
+    for type_id, packed, cols in segments:
+        _check(packed, "packed", torch.uint8)
+        want = (-(-cols // W4A8_GROUP), k // W4A8_SUPER_BLOCK, W4A8_TYPES.get(type_id, -1))
+        if tuple(packed.shape) != want:
+            raise ValueError(f"packed weight {tuple(packed.shape)} is not type {type_id} "
+                             f"[{cols}, {k}] (want {want})")
+    if bias is not None:
+        _check(bias, "bias", torch.float32)
+        if bias.numel() != n:
+            raise ValueError(f"bias has {bias.numel()} values for {n} outputs")
+    count = len(segments)
+    types = (ctypes.c_int64 * count)(*[t for t, _, _ in segments])
+    pointers = (ctypes.c_void_p * count)(*[p.data_ptr() for _, p, _ in segments])
+    columns = (ctypes.c_int64 * count)(*[c for _, _, c in segments])
+    y = torch.empty((m, n), dtype=torch.float32)
+    lib = _lib()
+    fn = lib.loom_linear_w4a8_ref if reference else lib.loom_linear_w4a8
+    fn(x.data_ptr(), m, k, count, types, pointers, columns,
+       None if bias is None else bias.data_ptr(), y.data_ptr())
+    return y

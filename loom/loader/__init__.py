@@ -10,7 +10,7 @@ from loom.errors import ModelNotFoundError, UnsupportedModelError
 from loom.loader.gguf_file import gguf_is_quantized, load_gguf
 from loom.loader.hf import iter_safetensors, read_hf_config
 from loom.loader.resolve import resolve_model_path
-from loom.loader.source import ModelFiles, ModelSource, WeightIterator
+from loom.loader.source import BlocksHook, ModelFiles, ModelSource, WeightIterator
 from loom.models.weight_shard import WeightSelector
 
 
@@ -31,17 +31,19 @@ def locate_model_files(path: str | Path) -> ModelSource:
 
 
 def load_model_files(path: str | Path, dtype: torch.dtype | None = None,
-                     select: WeightSelector | None = None) -> ModelFiles:
+                     select: WeightSelector | None = None,
+                     keep_blocks: BlocksHook | None = None) -> ModelFiles:
     """Open an HF folder or a .gguf file; unpacks as (hf_config, weights, source). `select`:
     the part of each tensor to read (a tensor-parallel rank's shard), where the format lets
-    a reader skip the rest."""
+    a reader skip the rest. `keep_blocks`: told each quantised GGUF tensor's file blocks
+    (see `iter_gguf_weights`; safetensors have none)."""
     source = locate_model_files(path)
     if source.format == "hf":
         config = read_hf_config(source.path)
         # lazy: shards are listed on first use
         weights = iter_safetensors(source.path, dtype, select)
         return ModelFiles(config, weights, source)
-    config, weights = load_gguf(source.path, dtype, select)
+    config, weights = load_gguf(source.path, dtype, select, keep_blocks)
     return ModelFiles(config, weights, source)
 
 
@@ -53,6 +55,7 @@ def weights_are_quantized(path: str | Path) -> bool:
 
 
 __all__ = [
+    "BlocksHook",
     "ModelFiles",
     "ModelSource",
     "WeightIterator",

@@ -25,7 +25,7 @@ from loom.loader.gguf_maps import (
     GGUF_TOKEN_ID_KEYS,
 )
 from loom.loader.gguf_reader import GGUFFile
-from loom.loader.source import WeightIterator
+from loom.loader.source import BlocksHook, WeightIterator
 from loom.models.weight_shard import WeightSelector
 
 
@@ -116,11 +116,15 @@ def _unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def iter_gguf_weights(
     reader: GGUFFile, config: dict[str, Any], dtype: torch.dtype | None = None,
-    select: WeightSelector | None = None,
+    select: WeightSelector | None = None, keep_blocks: BlocksHook | None = None,
 ) -> WeightIterator:
     """Yield (hf_name, tensor), dequantised to float32, fixed up, then cast to `dtype`. A
     tensor `select` names a part of is yielded as that part; a part made of whole rows is
-    read and dequantised alone (each row of a quantised tensor is its own blocks)."""
+    read and dequantised alone (each row of a quantised tensor is its own blocks).
+
+    `keep_blocks(hf_name, type_id, raw)` receives, before its tensor is yielded, a copy of
+    every quantised 2-D tensor's file blocks as uint8 [rows, bytes per row], rows in the
+    order of the yielded tensor (q/k rows un-permuted as its values are)."""
     arch = gguf_architecture(reader)
     for tensor in reader.tensors:
         hf_name = gguf_to_hf_name(arch, tensor.name)
@@ -130,6 +134,13 @@ def iter_gguf_weights(
         rule = select(hf_name) if select is not None else None
         permuted = arch in GGUF_PERMUTED_QK and hf_name.endswith(
             ("q_proj.weight", "k_proj.weight"))
+        if keep_blocks is not None and len(tensor.shape) == 2 and raw.dtype == np.uint8 \
+                and tensor.qtype.name not in _FLOAT_TYPES:
+            rows = torch.from_numpy(np.array(raw, copy=True).reshape(tensor.shape[0], -1))
+            if permuted:
+                key = "num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"
+                rows = _unpermute_qk(rows, int(config[key])).contiguous()
+            keep_blocks(hf_name, int(tensor.qtype), rows)
         if rule is not None and rule.dim == 0 and not rule.first_rank_only and not permuted:
             start, stop = rule.span(tensor.shape[0])
             shape = (stop - start, *tensor.shape[1:])
@@ -201,9 +212,10 @@ def gguf_is_quantized(path: Path) -> bool:
 
 
 def load_gguf(
-    path: Path, dtype: torch.dtype | None = None, select: WeightSelector | None = None
+    path: Path, dtype: torch.dtype | None = None, select: WeightSelector | None = None,
+    keep_blocks: BlocksHook | None = None,
 ) -> tuple[dict[str, Any], WeightIterator]:
-    """Config dict and lazy weight iterator of a .gguf file."""
+    """Config dict and lazy weight iterator of a .gguf file (see `iter_gguf_weights`)."""
     reader = GGUFFile(path)
     config = gguf_to_hf_config(reader)
-    return config, iter_gguf_weights(reader, config, dtype, select)
+    return config, iter_gguf_weights(reader, config, dtype, select, keep_blocks)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -10,6 +10,9 @@ from typing import Any, Literal
 import torch
 
 WeightIterator = Iterator[tuple[str, torch.Tensor]]
+# Told a quantised tensor's file blocks while it loads: (hf name, GGUF type id, uint8
+# [rows, bytes per row]).
+BlocksHook = Callable[[str, int, torch.Tensor], None]
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ from loom.kernels import (
 )
 from loom.models.layers import GatedMLP, Linear, RMSNorm, SelfAttention
 from loom.models.quant import Int8Linear
+from loom.models.w4a8 import W4A8Linear
 
 # Outside w8a8, steps with at most this many tokens run fused: decodes, and short chunks
 # such as a live append (the attention kernel is causal within a chunk). Longer prefills use
@@ -69,11 +70,23 @@ class _LayerDesc(ctypes.Structure):
     ]
 
 
+# At most this many segments per w4a8 layer (W4_MAX_SEGMENTS in cpu_kernels.c).
+_W4_MAX_SEGMENTS = 4
+
+
+class _W4Segments(ctypes.Structure):
+    _fields_ = [
+        ("count", ctypes.c_int64), ("types", ctypes.c_int64 * _W4_MAX_SEGMENTS),
+        ("packed", ctypes.c_void_p * _W4_MAX_SEGMENTS),
+        ("columns", ctypes.c_int64 * _W4_MAX_SEGMENTS),
+    ]
+
+
 class _Unsupported(Exception):
     """A layer the fused path cannot run (the caller keeps the module path)."""
 
 
-def _f32(t: torch.Tensor | None, keep: list[torch.Tensor]) -> int | None:
+def _f32(t: torch.Tensor | None, keep: list[Any]) -> int | None:
     if t is None:
         return None
     if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
@@ -82,7 +95,18 @@ def _f32(t: torch.Tensor | None, keep: list[torch.Tensor]) -> int | None:
     return t.data_ptr()
 
 
-def _linear(module: nn.Module | None, keep: list[torch.Tensor]) -> _LinearDesc:
+def _linear(module: nn.Module | None, keep: list[Any]) -> _LinearDesc:
+    if isinstance(module, W4A8Linear):
+        segments = module.segments()
+        if len(segments) > _W4_MAX_SEGMENTS:
+            raise _Unsupported(f"w4a8 layer of {len(segments)} segments")
+        desc = _W4Segments(len(segments))
+        for i, (type_id, packed, columns) in enumerate(segments):
+            keep.append(packed)
+            desc.types[i], desc.packed[i], desc.columns[i] = type_id, packed.data_ptr(), columns
+        keep.append(desc)  # the layer descriptor points at it
+        return _LinearDesc(3, 0, module.in_features, module.out_features,
+                           ctypes.addressof(desc), None, _f32(module.bias, keep))
     if isinstance(module, Int8Linear):
         keep.append(module.weight_q)
         if module.quantize_activations and module.layout != "packed":
@@ -100,7 +124,7 @@ def _linear(module: nn.Module | None, keep: list[torch.Tensor]) -> _LinearDesc:
     raise _Unsupported(f"linear layer {type(module).__name__} is not float32 or int8")
 
 
-def _norm(module: Any, keep: list[torch.Tensor]) -> tuple[int | None, float, float]:
+def _norm(module: Any, keep: list[Any]) -> tuple[int | None, float, float]:
     if module is None:
         return None, 0.0, 0.0
     if not isinstance(module, RMSNorm):
@@ -108,7 +132,7 @@ def _norm(module: Any, keep: list[torch.Tensor]) -> tuple[int | None, float, flo
     return _f32(module.weight.data, keep), (1.0 if module.gemma else 0.0), module.eps
 
 
-def _describe(layer: nn.Module, keep: list[torch.Tensor]) -> _LayerDesc:
+def _describe(layer: nn.Module, keep: list[Any]) -> _LayerDesc:
     roles = getattr(layer, "norm_roles", None)
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if roles is None or not isinstance(attn, SelfAttention) or not isinstance(mlp, GatedMLP):
@@ -144,13 +168,16 @@ def _describe(layer: nn.Module, keep: list[torch.Tensor]) -> _LayerDesc:
 
 
 def _all_w8a8(layers: list[nn.Module]) -> bool:
-    """Every linear layer is w8a8 on the kernels and none multiplies large calls in another
-    dtype (an explicit bf16 prefill keeps large steps on the modules)."""
+    """Every linear layer is w8a8 (or w4a8) on the kernels and none multiplies large calls
+    in another dtype (an explicit bf16 prefill keeps large steps on the modules): one
+    arithmetic for any number of rows."""
     linears = [m for layer in layers for m in layer.modules()
-               if isinstance(m, nn.Linear | Int8Linear)]
+               if isinstance(m, nn.Linear | Int8Linear | W4A8Linear)]
     return bool(linears) and all(
-        isinstance(m, Int8Linear) and m.layout == "packed"
-        and m.large_batch_dtype == torch.float32 for m in linears
+        isinstance(m, W4A8Linear) or (
+            isinstance(m, Int8Linear) and m.layout == "packed"
+            and m.large_batch_dtype == torch.float32)
+        for m in linears
     )
 
 
@@ -158,7 +185,7 @@ class FusedDecoder:
     """Runs a step's decoder layers in one C call (any step in w8a8, else small ones)."""
 
     def __init__(self, layers: list[nn.Module], descs: list[_LayerDesc],
-                 keep: list[torch.Tensor], any_size: bool = False) -> None:
+                 keep: list[Any], any_size: bool = False) -> None:
         """`any_size`: run steps of any number of tokens (w8a8 layers), else at most
         FUSED_MAX_TOKENS."""
         self.layers = layers
@@ -191,7 +218,7 @@ class FusedDecoder:
             return None, "CPU kernels unavailable"
         if any(p.requires_grad for layer in layers for p in layer.parameters()):
             return None, "parameters require gradients (call model.requires_grad_(False))"
-        keep: list[torch.Tensor] = []
+        keep: list[Any] = []
         try:
             descs = [_describe(layer, keep) for layer in layers]
         except _Unsupported as exc:

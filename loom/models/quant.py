@@ -19,6 +19,8 @@ to uint8, which drops top-1 agreement to 56% (weight-only: 94%).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -194,8 +196,12 @@ def set_large_batch_dtype(model: nn.Module, dtype: torch.dtype) -> None:
         invalidate()
 
 
-def quantize_model_int8(model: nn.Module, quantize_activations: bool = False) -> nn.Module:
-    """Replace every nn.Linear of `model` (the output projection included) by Int8Linear.
+def quantize_model_int8(
+    model: nn.Module, quantize_activations: bool = False,
+    first: Callable[[nn.Linear], nn.Module | None] | None = None,
+) -> nn.Module:
+    """Replace every nn.Linear of `model` (the output projection included) by Int8Linear,
+    or by what `first(linear)` makes where it makes one (w4a8: the file's own blocks).
 
     `quantize_activations=True` is the "w8a8" mode: activations are rounded to int8 per block
     of 32 (by the CPU kernel for small batches, in torch before the float matmul for large
@@ -207,5 +213,7 @@ def quantize_model_int8(model: nn.Module, quantize_activations: bool = False) ->
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear(linear.weight, linear.bias, quantize_activations))
+        made = first(linear) if first is not None else None
+        setattr(parent, child, made if made is not None
+                else Int8Linear(linear.weight, linear.bias, quantize_activations))
     return model

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from loom.errors import InvalidModelError
-from loom.kernels import cpu_kernels_available
-from loom.loader import load_model_files, locate_model_files, resolve_model_path
+from loom.kernels import W4A8_TYPES, cpu_kernels_available
+from loom.loader import BlocksHook, load_model_files, locate_model_files, resolve_model_path
 from loom.models.base import CausalLM
 from loom.models.block_embedding import BlockInt8Embedding
 from loom.models.config import ModelConfig
@@ -19,6 +19,7 @@ from loom.models.layers import fuse_projections
 from loom.models.quant import Int8Linear, quantize_model_int8
 from loom.models.registry import get_model_class
 from loom.models.tensor_parallel import shard_model
+from loom.models.w4a8 import BLOCKS_ATTRIBUTE, GGUFBlocks, W4A8Linear
 from loom.models.weight_shard import Shard
 from loom.runner.host_memory import release_freed_memory
 from loom.runner.prepared import load_prepared, prepared_path, read_prepared_config, save_prepared
@@ -26,8 +27,10 @@ from loom.runner.prepared import load_prepared, prepared_path, read_prepared_con
 logger = logging.getLogger("loom")
 
 # "int8": weight-only int8; "w8a8": int8 weights and, in small-batch CPU kernels, int8
-# activations rounded per block of 32 (faster decode, slightly less exact).
-QUANTIZATIONS = ("int8", "w8a8")
+# activations rounded per block of 32 (faster decode, slightly less exact); "w4a8": a GGUF's
+# Q4_K / Q6_K matrices computed from the file's own blocks (loom.models.w4a8), the other
+# matrices as w8a8.
+QUANTIZATIONS = ("int8", "w8a8", "w4a8")
 
 
 def build_model(
@@ -52,9 +55,17 @@ def build_model(
     """
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"unsupported quantization {quantization!r}; known: {QUANTIZATIONS}")
+    if quantization == "w4a8" and (shard is not None and shard.world_size > 1):
+        raise ValueError("quantization 'w4a8' does not shard over devices yet; use 'w8a8'")
+    if quantization == "w4a8" and not cpu_kernels_available():
+        raise ValueError("quantization 'w4a8' needs Loom's CPU kernels "
+                         "(see loom.kernels.kernel_status())")
     source = locate_model_files(resolve_model_path(path))
     cache = None
-    if source.format == "gguf" and os.environ.get("LOOM_PREPARED_CACHE", "1") != "0":
+    # w4a8 layers are not written to the prepared cache yet (their structure depends on each
+    # tensor's file type): a w4a8 load always reads the GGUF.
+    if source.format == "gguf" and quantization != "w4a8" \
+            and os.environ.get("LOOM_PREPARED_CACHE", "1") != "0":
         layout = "packed" if quantization == "w8a8" and cpu_kernels_available() else "rows"
         cache = prepared_path(source.path, dtype, quantization, layout, shard)
         stored = read_prepared_config(cache)
@@ -67,12 +78,16 @@ def build_model(
                                         dtype, quantization, compact), device)
             if model is not None:
                 return config, _for_inference(model)
-    hf_config, weights, _ = load_model_files(source.path, dtype=_load_dtype(dtype, quantization))
+    built: list[CausalLM] = []  # the model, for the blocks hook (which runs while it loads)
+    keep = _blocks_hook(built) if quantization == "w4a8" else None
+    hf_config, weights, _ = load_model_files(
+        source.path, dtype=_load_dtype(dtype, quantization), keep_blocks=keep)
     model_cls, config = model_architecture(hf_config)
     # Construct without allocating or initialising; each parameter is allocated as its tensor
     # arrives from the file, and each layer is prepared as soon as its last one has.
     with torch.device("meta"):
         model = _construct(model_cls, config, dtype, quantization, shard)
+    built.append(model)
     if model.weight_shards:  # a rank's shard: read only its parts of the tensors
         weights = load_model_files(source.path, dtype=_load_dtype(dtype, quantization),
                                    select=model.weight_selector()).weights
@@ -96,6 +111,25 @@ def build_model(
         except OSError as exc:  # a read-only or full cache only costs the next start time
             logger.warning("could not cache the prepared weights at %s: %s", cache, exc)
     return config, _for_inference(model)
+
+
+def _blocks_hook(built: list[CausalLM]) -> BlocksHook:
+    """The loader hook of w4a8: the file blocks of every tensor the kernel computes are kept
+    on the module that owns the tensor (BLOCKS_ATTRIBUTE), until its layer is prepared."""
+
+    def keep(hf_name: str, type_id: int, raw: torch.Tensor) -> None:
+        if type_id not in W4A8_TYPES or not built:
+            return
+        model = built[0]
+        name = model.map_weight_name(hf_name)
+        if name is None and model.tie_embeddings and hf_name == "lm_head.weight":
+            return
+        if name is None or not name.endswith(".weight"):
+            return
+        owner = model.get_submodule(name.rpartition(".")[0])
+        setattr(owner, BLOCKS_ATTRIBUTE, GGUFBlocks(type_id, raw))
+
+    return keep
 
 
 def _load_dtype(dtype: torch.dtype, quantization: str | None) -> torch.dtype:
@@ -128,7 +162,16 @@ def _prepare(model: CausalLM, dtype: torch.dtype, quantization: str | None,
     the embedding table (also run on the meta device to rebuild a cached model's structure,
     with `compact_embedding` saying what the values decided). Layers already prepared while
     loading are left as they are."""
+    embedding = model.model.embed_tokens
+    if quantization == "w4a8" and model.tie_embeddings and isinstance(model.lm_head,
+                                                                     torch.nn.Linear):
+        # The tied output projection computes from the embedding's blocks.
+        blocks = getattr(embedding, BLOCKS_ATTRIBUTE, None)
+        if blocks is not None:
+            setattr(model.lm_head, BLOCKS_ATTRIBUTE, blocks)
     _prepare_module(model, dtype, quantization)
+    if hasattr(embedding, BLOCKS_ATTRIBUTE):
+        delattr(embedding, BLOCKS_ATTRIBUTE)
     if quantization is not None:
         _compact_embedding(model, compact_embedding)
     return model
@@ -142,9 +185,14 @@ def _prepare_module(module: torch.nn.Module, dtype: torch.dtype,
     if quantization is None:
         fuse_projections(module)
         return
-    activations = quantization == "w8a8"
-    fuse_projections(module, lambda parts: Int8Linear.stacked(parts, activations))
-    quantize_model_int8(module, quantize_activations=activations)
+    activations = quantization in ("w8a8", "w4a8")
+    if quantization == "w4a8":  # from the file's blocks where the kernel computes them
+        fuse_projections(module, lambda parts: W4A8Linear.from_linears(parts)
+                         or Int8Linear.stacked(parts, activations))
+        quantize_model_int8(module, activations, first=lambda lin: W4A8Linear.from_linears([lin]))
+    else:
+        fuse_projections(module, lambda parts: Int8Linear.stacked(parts, activations))
+        quantize_model_int8(module, quantize_activations=activations)
     for param in module.parameters():
         if param.dtype != dtype:
             param.data = param.data.to(dtype)
@@ -183,8 +231,9 @@ class _LayerPreparer:
         tensor of a model with a large vocabulary, 2.1 GB for Llama 3 8B)."""
         if name == "lm_head.weight" and self._quantization is not None:
             head = self._model.lm_head
-            self._model.lm_head = Int8Linear(head.weight, head.bias,
-                                             self._quantization == "w8a8")
+            w4 = W4A8Linear.from_linears([head]) if self._quantization == "w4a8" else None
+            self._model.lm_head = w4 or Int8Linear(head.weight, head.bias,
+                                                   self._quantization in ("w8a8", "w4a8"))
             release_freed_memory()
             return
         index = _layer_index(name)

@@ -1,0 +1,118 @@
+"""w4a8: linear layers computed from a GGUF file's own 4- and 6-bit blocks, int8 activations.
+
+A Q4_K_M file stores most matrices as Q4_K (4.5 bits a weight) and some as Q6_K (6.6 bits).
+The w8a8 mode dequantises them and quantises again to 8 bits per weight, so decode reads
+almost twice the file's bytes. Here a layer keeps the file's integers and scales, repacked
+once for the kernel (`loom.kernels.w4a8_pack`: groups of 8 output columns, 4.75 bits a
+weight for Q4_K, 6.6 for Q6_K), and every call, a decode row or a prefill chunk of
+thousands, runs one arithmetic (`loom_linear_w4a8` in cpu_kernels.c): activations rounded
+to int8 per block of 32 as w8a8 rounds them, each block's products summed exactly in
+integers, the float scaling in one fixed order. A row's result is the same bits in any
+batch, chunk or kernel variant; the weights are the file's (no second quantisation).
+
+Stacked projections (q/k/v, gate/up) become one layer of several segments, each in its own
+file type (a Q4_K_M file mixes Q4_K and Q6_K within a layer). A layer whose parts the kernel
+cannot compute (another block type, an input width not a multiple of 256) is left to the
+w8a8 preparation by the caller (`W4A8Linear.from_linears` returns None).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.kernels import W4A8_TYPES, linear_w4a8, use_cpu_kernels, w4a8_dequantize, w4a8_pack
+from loom.models.layers import stacked_bias
+from loom.models.quant import round_activations_q8
+
+# The attribute of an nn.Linear (or the embedding of a tied model) that holds its tensor's
+# file blocks while the model loads (set by the loader's `keep_blocks` hook).
+BLOCKS_ATTRIBUTE = "gguf_blocks"
+# Input widths are whole super-blocks.
+_SUPER_BLOCK = 256
+_GROUP = 8
+
+
+class GGUFBlocks(NamedTuple):
+    """A 2-D tensor's data as the file stores it: uint8 [rows, bytes per row]."""
+
+    type_id: int
+    raw: torch.Tensor
+
+
+def computable(blocks: GGUFBlocks | None, in_features: int) -> bool:
+    """Whether the w4a8 kernel computes a tensor stored as `blocks`."""
+    return (blocks is not None and blocks.type_id in W4A8_TYPES
+            and in_features % _SUPER_BLOCK == 0)
+
+
+class W4A8Linear(nn.Module):
+    """y = x @ W.T + bias, W the file's K-quant blocks of each segment, stacked along the
+    outputs. Buffers: `packed_<i>` per segment, `bias` (float32) or None."""
+
+    def __init__(self, in_features: int, parts: list[tuple[int, int]],
+                 bias: torch.Tensor | None = None,
+                 packed: list[torch.Tensor] | None = None) -> None:
+        """`parts`: (GGUF type id, columns) per segment; `packed`: their packed weights
+        (None: shapes only, on the meta device, for a structure loaded from elsewhere)."""
+        super().__init__()
+        self.in_features = in_features
+        self.types = [t for t, _ in parts]
+        self.columns = [c for _, c in parts]
+        self.out_features = sum(self.columns)
+        for i, (type_id, cols) in enumerate(parts):
+            shape = (-(-cols // _GROUP), in_features // _SUPER_BLOCK, W4A8_TYPES[type_id])
+            tensor = packed[i] if packed is not None else torch.empty(
+                shape, dtype=torch.uint8, device="meta")
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"segment {i}: packed shape {tuple(tensor.shape)} != {shape}")
+            self.register_buffer(f"packed_{i}", tensor)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    @classmethod
+    def from_linears(cls, linears: list[nn.Module]) -> W4A8Linear | None:
+        """One layer computing the concatenated outputs of `linears` from their file blocks
+        (each holds them under BLOCKS_ATTRIBUTE), or None when the kernel cannot compute
+        every part."""
+        k = linears[0].in_features
+        blocks = [getattr(lin, BLOCKS_ATTRIBUTE, None) for lin in linears]
+        if not all(computable(b, k) for b in blocks):
+            return None
+        parts, packed = [], []
+        for lin, b in zip(linears, blocks, strict=True):
+            assert b is not None
+            parts.append((b.type_id, lin.out_features))
+            packed.append(w4a8_pack(b.raw, b.type_id, lin.out_features, k))
+        return cls(k, parts, stacked_bias(linears), packed)  # type: ignore[arg-type]
+
+    def segments(self) -> list[tuple[int, torch.Tensor, int]]:
+        """(type id, packed weight, columns) per segment, as `linear_w4a8` takes them."""
+        return [(t, getattr(self, f"packed_{i}"), c)
+                for i, (t, c) in enumerate(zip(self.types, self.columns, strict=True))]
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 weight [out, in] this layer computes with: the file's dequantised
+        values, bit for bit."""
+        return torch.cat([w4a8_dequantize(p, t, c, self.in_features)
+                          for t, p, c in self.segments()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the layer to x [..., K] -> [..., N] in x's dtype."""
+        lead = x.shape[:-1]
+        rows = x.numel() // self.in_features
+        x2 = x.reshape(rows, self.in_features)
+        if use_cpu_kernels(x):
+            y = linear_w4a8(x2.contiguous(), self.segments(), self.bias)
+        else:  # the same model to float rounding: rounded activations, dequantised weights
+            xf = round_activations_q8(x2.float())
+            y = F.linear(xf, self.dequantized_weight(), self.bias).to(x.dtype)
+        return y.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        names = {12: "Q4_K", 14: "Q6_K"}
+        kinds = ", ".join(f"{names.get(t, t)}x{c}" for t, c in zip(self.types, self.columns,
+                                                                      strict=True))
+        return f"in_features={self.in_features}, segments=[{kinds}]"
