@@ -207,13 +207,14 @@ _TEXT = (
 
 
 def prompt_token_ids(tokenizer: Any, num_tokens: int, seed: int = 0) -> list[int]:
-    """A deterministic prompt of exactly `num_tokens` ids (BOS first) of natural English.
+    """A deterministic prompt of exactly `num_tokens` ids (BOS first, where the tokenizer
+    adds one) of natural English.
 
     The same ids are fed to every engine, so all of them compute the same sequence.
     """
     rng = random.Random(seed)
     body = tokenizer.encode(_TEXT, add_special_tokens=False)
-    ids = [tokenizer.encode("", add_special_tokens=True)[0]] if num_tokens > 0 else []
+    ids = tokenizer.encode("", add_special_tokens=True)[:1] if num_tokens > 0 else []
     while len(ids) < num_tokens:
         start = rng.randrange(len(body))
         ids.extend(body[start:] + body[:start])

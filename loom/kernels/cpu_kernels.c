@@ -1501,17 +1501,18 @@ LOOM_EXPORT int64_t loom_dequantize(int64_t type, const uint8_t *src, int64_t nb
  * of 256 k, records one after another along k:
  *   Q4_K (1216 bytes): d[8] f32 | dmin[8] f32 | sc[8 blocks][8 cols] u8 | m[8][8] u8 |
  *                      lo[8 blocks][128]
- *   Q6_K (1696 bytes): d[8] f32 | sc[16 halves][8 cols] i8 | lo[8 blocks][128] |
- *                      hi[8 blocks][64]
+ *   Q6_K (2208 bytes): d[8] f32 | sc[16 halves][8 cols] i8 | q[8 blocks][256]
  * lo: byte v * 32 + c * 4 + i holds k = 8 v + i (low nibble) and 8 v + 4 + i (high nibble)
- * of the block; hi (Q6_K's top two bits): byte u * 32 + c * 4 + i holds k = 16 u + 4 p + i
- * in bits 2p, 2p + 1. */
+ * of the block; Q6_K's q (0..63) one byte each, byte t * 32 + c * 4 + i for k = 4 t + i: a
+ * 6-bit value costs as many operations to unpack as to multiply, and on two cores the
+ * unpacking made Q6_K layers compute-bound at half the memory's bandwidth (measured: an
+ * output projection 5.7 ms packed in 6 bits against 3.7 ms for w8a8's bytes). */
 
 #define W4_SB 256
 #define W4_Q4K 12
 #define W4_Q6K 14
 #define W4_REC_Q4K 1216
-#define W4_REC_Q6K 1696
+#define W4_REC_Q6K 2208
 
 static inline int64_t w4_record_bytes(int64_t type) {
     return type == W4_Q4K ? W4_REC_Q4K : type == W4_Q6K ? W4_REC_Q6K : -1;
@@ -1541,8 +1542,8 @@ static void w4_decode_q6k(const uint8_t *b, float *d, int8_t sc[16], uint8_t q[2
 /* Byte offsets of k-in-block kk, column c in a block's lo / hi area, and the shifts. */
 static inline int w4_lo_at(int c, int kk) { return (kk / 8) * 32 + c * 4 + kk % 4; }
 static inline int w4_lo_shift(int kk) { return 4 * ((kk / 4) % 2); }
-static inline int w4_hi_at(int c, int kk) { return (kk / 16) * 32 + c * 4 + kk % 4; }
-static inline int w4_hi_shift(int kk) { return 2 * ((kk / 4) % 4); }
+/* Q6_K's byte of k-in-super-block kk, column c. */
+static inline int w4_byte_at(int c, int kk) { return (kk / 4) * 32 + c * 4 + kk % 4; }
 
 /* raw: the file's blocks of a [n, k] tensor (rows of k / 256 super-blocks); out: the packed
  * layout above (zeroed by the caller). Returns 0, or -1 for another type or a k that is not
@@ -1571,14 +1572,11 @@ LOOM_EXPORT int64_t loom_w4a8_pack(int64_t type, const uint8_t *raw, int64_t n, 
                     int8_t sc[16];
                     w4_decode_q6k(b, &d, sc, q);
                     for (int h = 0; h < 16; h++) r[32 + h * 8 + c] = (uint8_t)sc[h];
-                    lo = r + 160;
-                    uint8_t *hi = r + 1184;
-                    for (int kk = 0; kk < 256; kk++)
-                        hi[(kk / 32) * 64 + w4_hi_at(c, kk % 32)] |=
-                            (uint8_t)((q[kk] >> 4) << w4_hi_shift(kk % 32));
+                    for (int kk = 0; kk < 256; kk++) r[160 + w4_byte_at(c, kk)] = q[kk];
+                    lo = NULL;
                 }
                 memcpy(r + 4 * c, &d, 4);
-                for (int kk = 0; kk < 256; kk++)
+                for (int kk = 0; lo && kk < 256; kk++)
                     lo[(kk / 32) * 128 + w4_lo_at(c, kk % 32)] |=
                         (uint8_t)((q[kk] & 15) << w4_lo_shift(kk % 32));
             }
@@ -1598,10 +1596,8 @@ static inline float w4_weight(int64_t type, const uint8_t *r, int c, int kk) {
         const int q = (r[192 + j * 128 + w4_lo_at(c, i)] >> w4_lo_shift(i)) & 15;
         return d * (float)r[64 + j * 8 + c] * (float)q - dmin * (float)r[128 + j * 8 + c];
     }
-    const int lo = (r[160 + j * 128 + w4_lo_at(c, i)] >> w4_lo_shift(i)) & 15;
-    const int hi = (r[1184 + j * 64 + w4_hi_at(c, i)] >> w4_hi_shift(i)) & 3;
     const float ds = d * (float)(int8_t)r[32 + (2 * j + i / 16) * 8 + c];
-    return ds * (float)((lo | (hi << 4)) - 32);
+    return ds * (float)(r[160 + w4_byte_at(c, kk)] - 32);
 }
 
 /* The float32 weight [n, k] of a packed tensor (tests, and hosts without the kernels'
@@ -1685,13 +1681,15 @@ static inline __m256i w4_i8x8(const uint8_t *p) {
 
 #define W4_MAXR 4
 #define W4_MAXC 2
+/* Software prefetch distance over a group's records (the DRAM stream of a decode step). */
+#define W4_PREFETCH_RECORDS 8
 
 /* y[r0 .. r0 + R, columns of groups g0 .. g0 + C] of one segment, as the arithmetic above
  * says; w: the segment's packed weight, n its columns, y0 the segment's first column in y
  * (row stride ny). */
 static inline __attribute__((always_inline)) void w4_tile(
     int64_t type, const W4Act *a, int64_t r0, int R, int64_t k, const uint8_t *w, int64_t g0,
-    int C, int64_t n, const float *bias, float *y, int64_t ny) {
+    int C, int64_t n, const float *bias, float *y, int64_t ny, int prefetch) {
     const int64_t nsb = k / W4_SB, nb = k / QBLOCK, rec = w4_record_bytes(type);
     const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3);
     __m256 acc[W4_MAXR][W4_MAXC], mins[W4_MAXR][W4_MAXC];
@@ -1700,6 +1698,8 @@ static inline __attribute__((always_inline)) void w4_tile(
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *rc[W4_MAXC];
         for (int c = 0; c < C; c++) rc[c] = w + ((g0 + c) * nsb + s) * rec;
+        if (prefetch && s + W4_PREFETCH_RECORDS < nsb) /* a group's records are one stream */
+            for (int c = 0; c < C; c++) prefetch_bytes(rc[c] + W4_PREFETCH_RECORDS * rec, rec);
         for (int j = 0; j < 8; j++) {
             const int64_t b = s * 8 + j, at = b * QBLOCK;
             if (type == W4_Q4K) {
@@ -1739,44 +1739,60 @@ static inline __attribute__((always_inline)) void w4_tile(
                  * sc_b X_b): the scales enter as the int16 multipliers of the pair sums
                  * (maddubs pairs, then madd by the column's scale: exact), the correction
                  * as one madd of the (sc_a, sc_b) pair by (X_a, X_b). */
-                __m256i iacc[W4_MAXR][W4_MAXC], scale16[W4_MAXC][2], pair16[W4_MAXC];
+                __m256i iacc[W4_MAXR][W4_MAXC], pair16[W4_MAXC];
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+                /* VNNI: each half's plain sums (one instruction a step), then the scales. */
+                __m256i ihi[W4_MAXR][W4_MAXC], sc32[W4_MAXC][2];
+                for (int c = 0; c < C; c++) {
+                    sc32[c][0] = w4_i8x8(rc[c] + 32 + 16 * j);
+                    sc32[c][1] = w4_i8x8(rc[c] + 40 + 16 * j);
+                }
+#else
+                /* AVX2: the scales are the int16 multipliers of the pair sums. */
+                __m256i scale16[W4_MAXC][2];
                 for (int c = 0; c < C; c++) {
                     const __m128i sa = _mm_loadl_epi64((const __m128i *)(rc[c] + 32 + 16 * j));
                     const __m128i sb = _mm_loadl_epi64((const __m128i *)(rc[c] + 40 + 16 * j));
                     scale16[c][0] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sa, sa));
                     scale16[c][1] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sb, sb));
+                }
+#endif
+                for (int c = 0; c < C; c++) {
+                    const __m128i sa = _mm_loadl_epi64((const __m128i *)(rc[c] + 32 + 16 * j));
+                    const __m128i sb = _mm_loadl_epi64((const __m128i *)(rc[c] + 40 + 16 * j));
                     pair16[c] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sa, sb));
                 }
                 for (int r = 0; r < R; r++)
-                    for (int c = 0; c < C; c++) iacc[r][c] = _mm256_setzero_si256();
-                const __m256i top = _mm256_set1_epi8(0x30);
-                for (int u = 0; u < 2; u++) { /* halves of 16 k: 4 steps each */
-                    __m256i q[W4_MAXC][4];
                     for (int c = 0; c < C; c++) {
-                        const __m256i h = _mm256_loadu_si256(
-                            (const __m256i *)(rc[c] + 1184 + j * 64 + u * 32));
-                        /* step t's top bits are bits 2t, 2t + 1 of h: moved to bits 4, 5 */
-                        const __m256i h4[4] = {
-                            _mm256_and_si256(_mm256_slli_epi16(h, 4), top),
-                            _mm256_and_si256(_mm256_slli_epi16(h, 2), top),
-                            _mm256_and_si256(h, top),
-                            _mm256_and_si256(_mm256_srli_epi16(h, 2), top)};
-                        for (int v = 0; v < 2; v++) {
-                            const __m256i raw = _mm256_loadu_si256(
-                                (const __m256i *)(rc[c] + 160 + j * 128 + (2 * u + v) * 32));
-                            q[c][2 * v] = _mm256_or_si256(_mm256_and_si256(raw, low4), h4[2 * v]);
-                            q[c][2 * v + 1] = _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4), h4[2 * v + 1]);
+                        iacc[r][c] = _mm256_setzero_si256();
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+                        ihi[r][c] = _mm256_setzero_si256();
+#endif
+                    }
+                for (int t = 0; t < 8; t++) { /* steps of 4 k; 0-3 the first half */
+                    __m256i q[W4_MAXC];
+                    for (int c = 0; c < C; c++)
+                        q[c] = _mm256_loadu_si256(
+                            (const __m256i *)(rc[c] + 160 + j * 256 + t * 32));
+                    for (int r = 0; r < R; r++) {
+                        const __m256i x = w4_x4(a, r0 + r, k, at + 4 * t);
+                        for (int c = 0; c < C; c++) {
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+                            if (t < 4) iacc[r][c] = dot_u8s8(iacc[r][c], q[c], x);
+                            else ihi[r][c] = dot_u8s8(ihi[r][c], q[c], x);
+#else
+                            iacc[r][c] = _mm256_add_epi32(iacc[r][c], _mm256_madd_epi16(
+                                _mm256_maddubs_epi16(q[c], x), scale16[c][t / 4]));
+#endif
                         }
                     }
-                    for (int r = 0; r < R; r++)
-                        for (int t = 0; t < 4; t++) {
-                            const __m256i x = w4_x4(a, r0 + r, k, at + 16 * u + 4 * t);
-                            for (int c = 0; c < C; c++)
-                                iacc[r][c] = _mm256_add_epi32(iacc[r][c], _mm256_madd_epi16(
-                                    _mm256_maddubs_epi16(q[c][t], x), scale16[c][u]));
-                        }
                 }
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+                for (int r = 0; r < R; r++)
+                    for (int c = 0; c < C; c++)
+                        iacc[r][c] = _mm256_add_epi32(_mm256_mullo_epi32(sc32[c][0], iacc[r][c]),
+                                                      _mm256_mullo_epi32(sc32[c][1], ihi[r][c]));
+#endif
                 for (int c = 0; c < C; c++) {
                     const __m256 d = _mm256_loadu_ps((const float *)rc[c]);
                     for (int r = 0; r < R; r++) {
@@ -1807,10 +1823,10 @@ static inline __attribute__((always_inline)) void w4_tile(
 
 static void w4_tile_any(int64_t type, const W4Act *a, int64_t r0, int R, int64_t k,
                         const uint8_t *w, int64_t g0, int C, int64_t n, const float *bias,
-                        float *y, int64_t ny) {
+                        float *y, int64_t ny, int prefetch) {
 #define W4_CASE(TT, RR, CC)                                                                  \
     if (type == TT && R == RR && C == CC) {                                                  \
-        w4_tile(TT, a, r0, RR, k, w, g0, CC, n, bias, y, ny);                                \
+        w4_tile(TT, a, r0, RR, k, w, g0, CC, n, bias, y, ny, prefetch);                      \
         return;                                                                              \
     }
     W4_CASE(W4_Q4K, 1, 1) W4_CASE(W4_Q4K, 1, 2) W4_CASE(W4_Q4K, 2, 1) W4_CASE(W4_Q4K, 2, 2)
@@ -1833,9 +1849,10 @@ static void w4_segment_body(int64_t type, const W4Act *a, int64_t m, int64_t k,
         const int R = m - r0 < rows ? (int)(m - r0) : (int)rows;
         const int C = g0 + 1 < groups ? 2 : 1;
         if (R <= 2) {
-            w4_tile_any(type, a, r0, R, k, w, g0, C, n, bias, y, ny);
+            w4_tile_any(type, a, r0, R, k, w, g0, C, n, bias, y, ny, r0 == 0);
         } else { /* 3-4 rows: one group at a time keeps the accumulators in registers */
-            for (int c = 0; c < C; c++) w4_tile_any(type, a, r0, R, k, w, g0 + c, 1, n, bias, y, ny);
+            for (int c = 0; c < C; c++)
+                w4_tile_any(type, a, r0, R, k, w, g0 + c, 1, n, bias, y, ny, r0 == 0);
         }
     }
 }
@@ -1909,11 +1926,8 @@ LOOM_EXPORT void loom_linear_w4a8_ref(const float *x, int64_t m, int64_t k, int6
                         mins = fmaf(dmin * (float)rc[128 + j * 8 + c], a.xsx[ab], mins);
                     } else {
                         int32_t half[2] = {0, 0};
-                        for (int i = 0; i < 32; i++) {
-                            const int lo = (rc[160 + j * 128 + w4_lo_at(c, i)] >> w4_lo_shift(i)) & 15;
-                            const int hi = (rc[1184 + j * 64 + w4_hi_at(c, i)] >> w4_hi_shift(i)) & 3;
-                            half[i / 16] += (lo | (hi << 4)) * xq[i];
-                        }
+                        for (int i = 0; i < 32; i++)
+                            half[i / 16] += rc[160 + w4_byte_at(c, (int)(32 * j) + i)] * xq[i];
                         const int32_t sa = (int8_t)rc[32 + (2 * j) * 8 + c];
                         const int32_t sb = (int8_t)rc[32 + (2 * j + 1) * 8 + c];
                         const int32_t jj = sa * (half[0] - 32 * a.x16[2 * ab]) +

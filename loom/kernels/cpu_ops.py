@@ -263,7 +263,7 @@ def dequantize_gguf_blocks(raw: np.ndarray, type_id: int, out: torch.Tensor) -> 
 
 # GGUF block types the w4a8 kernel computes from (type id -> packed bytes per group of 8
 # columns and 256 k; see "w4a8" in cpu_kernels.c): Q4_K and Q6_K, the types of Q4_K_M files.
-W4A8_TYPES = {12: 1216, 14: 1696}
+W4A8_TYPES = {12: 1216, 14: 2208}
 W4A8_GROUP = 8
 W4A8_SUPER_BLOCK = 256
 
