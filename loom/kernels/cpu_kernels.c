@@ -1681,6 +1681,13 @@ static inline __m256i w4_i8x8(const uint8_t *p) {
 
 #define W4_MAXR 4
 #define W4_MAXC 2
+/* With AVX-512VL's 32 vector registers, tiles of 4 rows x 2 groups keep their accumulators
+ * in registers (AVX2's 16 hold 2 x 2). */
+#if defined(__AVX512VL__)
+#define W4_WIDE 1
+#else
+#define W4_WIDE 0
+#endif
 /* Software prefetch distance over a group's records (the DRAM stream of a decode step). */
 #define W4_PREFETCH_RECORDS 8
 
@@ -1692,9 +1699,9 @@ static inline __attribute__((always_inline)) void w4_tile(
     int C, int64_t n, const float *bias, float *y, int64_t ny, int prefetch) {
     const int64_t nsb = k / W4_SB, nb = k / QBLOCK, rec = w4_record_bytes(type);
     const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3);
-    __m256 acc[W4_MAXR][W4_MAXC], mins[W4_MAXR][W4_MAXC];
+    __m256 acc[W4_MAXR][W4_MAXC];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = mins[r][c] = _mm256_setzero_ps();
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
     for (int64_t s = 0; s < nsb; s++) {
         const uint8_t *rc[W4_MAXC];
         for (int c = 0; c < C; c++) rc[c] = w + ((g0 + c) * nsb + s) * rec;
@@ -1724,14 +1731,11 @@ static inline __attribute__((always_inline)) void w4_tile(
                 for (int c = 0; c < C; c++) {
                     const __m256 ds = _mm256_mul_ps(_mm256_loadu_ps((const float *)rc[c]),
                                                     w4_u8x8(rc[c] + 64 + j * 8));
-                    const __m256 dm = _mm256_mul_ps(_mm256_loadu_ps((const float *)(rc[c] + 32)),
-                                                    w4_u8x8(rc[c] + 128 + j * 8));
                     for (int r = 0; r < R; r++) {
                         const int64_t ab = (r0 + r) * nb + b;
                         const __m256 coef = _mm256_mul_ps(ds, _mm256_set1_ps(a->xs[ab]));
                         acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][c]), coef,
                                                     acc[r][c]);
-                        mins[r][c] = _mm256_fmadd_ps(dm, _mm256_set1_ps(a->xsx[ab]), mins[r][c]);
                     }
                 }
             } else {
@@ -1739,7 +1743,10 @@ static inline __attribute__((always_inline)) void w4_tile(
                  * sc_b X_b): the scales enter as the int16 multipliers of the pair sums
                  * (maddubs pairs, then madd by the column's scale: exact), the correction
                  * as one madd of the (sc_a, sc_b) pair by (X_a, X_b). */
-                __m256i iacc[W4_MAXR][W4_MAXC], pair16[W4_MAXC];
+                __m256i iacc[W4_MAXR][W4_MAXC];
+#if !defined(__AVX512VNNI__) && !defined(__AVXVNNI__)
+                __m256i pair16[W4_MAXC];
+#endif
 #if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
                 /* VNNI: each half's plain sums (one instruction a step), then the scales. */
                 __m256i ihi[W4_MAXR][W4_MAXC], sc32[W4_MAXC][2];
@@ -1757,18 +1764,25 @@ static inline __attribute__((always_inline)) void w4_tile(
                     scale16[c][1] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sb, sb));
                 }
 #endif
+#if !defined(__AVX512VNNI__) && !defined(__AVXVNNI__)
                 for (int c = 0; c < C; c++) {
                     const __m128i sa = _mm_loadl_epi64((const __m128i *)(rc[c] + 32 + 16 * j));
                     const __m128i sb = _mm_loadl_epi64((const __m128i *)(rc[c] + 40 + 16 * j));
                     pair16[c] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sa, sb));
                 }
-                for (int r = 0; r < R; r++)
-                    for (int c = 0; c < C; c++) {
-                        iacc[r][c] = _mm256_setzero_si256();
-#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
-                        ihi[r][c] = _mm256_setzero_si256();
 #endif
-                    }
+                for (int r = 0; r < R; r++) {
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+                    /* each half's sum starts from -32 X (the q - 32 offset), so the scale
+                     * multiplies (I - 32 X) directly */
+                    const int64_t ab = (r0 + r) * nb + b;
+                    const __m256i lo0 = _mm256_set1_epi32(-32 * a->x16[2 * ab]);
+                    const __m256i hi0 = _mm256_set1_epi32(-32 * a->x16[2 * ab + 1]);
+                    for (int c = 0; c < C; c++) iacc[r][c] = lo0, ihi[r][c] = hi0;
+#else
+                    for (int c = 0; c < C; c++) iacc[r][c] = _mm256_setzero_si256();
+#endif
+                }
                 for (int t = 0; t < 8; t++) { /* steps of 4 k; 0-3 the first half */
                     __m256i q[W4_MAXC];
                     for (int c = 0; c < C; c++)
@@ -1797,11 +1811,15 @@ static inline __attribute__((always_inline)) void w4_tile(
                     const __m256 d = _mm256_loadu_ps((const float *)rc[c]);
                     for (int r = 0; r < R; r++) {
                         const int64_t ab = (r0 + r) * nb + b;
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+                        const __m256i jj = iacc[r][c]; /* the offset is in already */
+#else
                         const uint32_t xab = (uint32_t)(uint16_t)a->x16[2 * ab] |
                                              (uint32_t)a->x16[2 * ab + 1] << 16;
                         const __m256i corr = _mm256_slli_epi32(
                             _mm256_madd_epi16(pair16[c], _mm256_set1_epi32((int32_t)xab)), 5);
                         const __m256i jj = _mm256_sub_epi32(iacc[r][c], corr);
+#endif
                         const __m256 coef = _mm256_mul_ps(d, _mm256_set1_ps(a->xs[ab]));
                         acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(jj), coef, acc[r][c]);
                     }
@@ -1809,12 +1827,29 @@ static inline __attribute__((always_inline)) void w4_tile(
             }
         }
     }
+    /* Q4_K's minimum terms, in their own pass over the blocks (in order): out of the main
+     * loop's registers, which the products' accumulators need. */
+    __m256 mins[W4_MAXR];
+    for (int c = 0; c < C; c++) {
+        for (int r = 0; r < R; r++) mins[r] = _mm256_setzero_ps();
+        for (int64_t s = 0; type == W4_Q4K && s < nsb; s++) {
+            const uint8_t *rcs = w + ((g0 + c) * nsb + s) * rec;
+            const __m256 dmin = _mm256_loadu_ps((const float *)(rcs + 32));
+            for (int j = 0; j < 8; j++) {
+                const __m256 dm = _mm256_mul_ps(dmin, w4_u8x8(rcs + 128 + j * 8));
+                for (int r = 0; r < R; r++)
+                    mins[r] = _mm256_fmadd_ps(dm, _mm256_set1_ps(a->xsx[(r0 + r) * nb + s * 8 + j]),
+                                              mins[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) acc[r][c] = _mm256_sub_ps(acc[r][c], mins[r]);
+    }
     for (int c = 0; c < C; c++) {
         const int64_t col = (g0 + c) * COLS;
         const int64_t valid = n - col < COLS ? n - col : COLS;
         for (int r = 0; r < R; r++) {
             float v[COLS];
-            _mm256_storeu_ps(v, _mm256_sub_ps(acc[r][c], mins[r][c]));
+            _mm256_storeu_ps(v, acc[r][c]);
             float *yr = y + (r0 + r) * ny + col;
             for (int64_t i = 0; i < valid; i++) yr[i] = bias ? v[i] + bias[col + i] : v[i];
         }
@@ -1833,6 +1868,9 @@ static void w4_tile_any(int64_t type, const W4Act *a, int64_t r0, int R, int64_t
     W4_CASE(W4_Q4K, 3, 1) W4_CASE(W4_Q4K, 4, 1)
     W4_CASE(W4_Q6K, 1, 1) W4_CASE(W4_Q6K, 1, 2) W4_CASE(W4_Q6K, 2, 1) W4_CASE(W4_Q6K, 2, 2)
     W4_CASE(W4_Q6K, 3, 1) W4_CASE(W4_Q6K, 4, 1)
+#if W4_WIDE
+    W4_CASE(W4_Q4K, 3, 2) W4_CASE(W4_Q4K, 4, 2) W4_CASE(W4_Q6K, 3, 2) W4_CASE(W4_Q6K, 4, 2)
+#endif
 #undef W4_CASE
 }
 
@@ -1848,7 +1886,7 @@ static void w4_segment_body(int64_t type, const W4Act *a, int64_t m, int64_t k,
         const int64_t g0 = task / blocks * 2, r0 = task % blocks * rows;
         const int R = m - r0 < rows ? (int)(m - r0) : (int)rows;
         const int C = g0 + 1 < groups ? 2 : 1;
-        if (R <= 2) {
+        if (R <= 2 || W4_WIDE) {
             w4_tile_any(type, a, r0, R, k, w, g0, C, n, bias, y, ny, r0 == 0);
         } else { /* 3-4 rows: one group at a time keeps the accumulators in registers */
             for (int c = 0; c < C; c++)
