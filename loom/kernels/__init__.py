@@ -27,6 +27,7 @@ from loom.kernels.cpu_ops import (
     use_cpu_kernels,
     w4a8_dequantize,
     w4a8_pack,
+    w4a8_rows,
 )
 
 # Names the arithmetic of the C kernels (the order of every floating-point operation a
@@ -69,4 +70,5 @@ __all__ = [
     "use_cpu_kernels",
     "w4a8_dequantize",
     "w4a8_pack",
+    "w4a8_rows",
 ]

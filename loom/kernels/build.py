@@ -105,6 +105,7 @@ SIGNATURES: dict[str, list[type]] = {
     "loom_dequantize": [_i64, _ptr, _i64, _ptr],
     "loom_w4a8_pack": [_i64, _ptr, _i64, _i64, _ptr],
     "loom_w4a8_dequantize": [_i64, _ptr, _i64, _i64, _ptr],
+    "loom_w4a8_rows": [_i64, _ptr, _i64, _i64, _ptr, _i64, _ptr],
     "loom_linear_w4a8": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr],
     "loom_linear_w4a8_ref": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr],
 }
@@ -112,7 +113,8 @@ SIGNATURES: dict[str, list[type]] = {
 RESTYPES: dict[str, type] = {"loom_kernel_variant": ctypes.c_char_p,
                               "loom_dequantize": ctypes.c_int64,
                               "loom_w4a8_pack": ctypes.c_int64,
-                              "loom_w4a8_dequantize": ctypes.c_int64}
+                              "loom_w4a8_dequantize": ctypes.c_int64,
+                              "loom_w4a8_rows": ctypes.c_int64}
 
 
 @dataclass

@@ -1987,3 +1987,21 @@ static void w4_linear_kind3_body(const void *segments, const float *x, int64_t m
     w4_act_body(x, m, k, *q);
     w4_linear_segments_body((const W4Segments *)segments, q, m, k, bias, y);
 }
+
+/* out[i, :] = row ids[i] of a packed [n, k] tensor, as the file's values (the embedding
+ * lookup of a table kept packed). Returns 0, or -1 for an unknown type or an id outside
+ * [0, n). */
+LOOM_EXPORT int64_t loom_w4a8_rows(int64_t type, const uint8_t *packed, int64_t n, int64_t k,
+                                   const int64_t *ids, int64_t count, float *out) {
+    const int64_t rec = w4_record_bytes(type), nsb = k / W4_SB;
+    if (rec < 0 || k % W4_SB) return -1;
+    for (int64_t i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= n) return -1;
+    for (int64_t i = 0; i < count; i++)
+        for (int64_t s = 0; s < nsb; s++) {
+            const uint8_t *r = packed + ((ids[i] / COLS) * nsb + s) * rec;
+            for (int kk = 0; kk < W4_SB; kk++)
+                out[i * k + s * W4_SB + kk] = w4_weight(type, r, (int)(ids[i] % COLS), kk);
+        }
+    return 0;
+}

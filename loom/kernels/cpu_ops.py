@@ -295,6 +295,19 @@ def w4a8_dequantize(packed: torch.Tensor, type_id: int, n: int, k: int) -> torch
     return out
 
 
+def w4a8_rows(packed: torch.Tensor, type_id: int, n: int, k: int,
+              ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (int64, any shape) of a packed [n, k] tensor as float32 [*ids.shape, k]:
+    the file's values bit for bit (an embedding lookup)."""
+    _check(packed, "packed", torch.uint8)
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty((flat.numel(), k), dtype=torch.float32)
+    if _lib().loom_w4a8_rows(type_id, packed.data_ptr(), n, k, flat.data_ptr(), flat.numel(),
+                             out.data_ptr()) != 0:
+        raise ValueError(f"token ids must lie in [0, {n}) (type {type_id})")
+    return out.view(*ids.shape, k)
+
+
 def linear_w4a8(x: torch.Tensor, segments: list[tuple[int, torch.Tensor, int]],
                 bias: torch.Tensor | None, reference: bool = False) -> torch.Tensor:
     """x [M, K] float32 times the packed weights `segments` [(type id, packed, columns), ...]

@@ -24,7 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.kernels import W4A8_TYPES, linear_w4a8, use_cpu_kernels, w4a8_dequantize, w4a8_pack
+from loom.kernels import (
+    W4A8_TYPES,
+    linear_w4a8,
+    use_cpu_kernels,
+    w4a8_dequantize,
+    w4a8_pack,
+    w4a8_rows,
+)
 from loom.models.layers import stacked_bias
 from loom.models.quant import round_activations_q8
 
@@ -81,12 +88,13 @@ class W4A8Linear(nn.Module):
         blocks = [getattr(lin, BLOCKS_ATTRIBUTE, None) for lin in linears]
         if not all(computable(b, k) for b in blocks):
             return None
-        parts, packed = [], []
-        for lin, b in zip(linears, blocks, strict=True):
-            assert b is not None
-            parts.append((b.type_id, lin.out_features))
-            packed.append(w4a8_pack(b.raw, b.type_id, lin.out_features, k))
-        return cls(k, parts, stacked_bias(linears), packed)  # type: ignore[arg-type]
+        parts = [(b.type_id, lin.out_features) for lin, b in zip(linears, blocks, strict=True)]
+        if any(b.raw.is_meta for b in blocks):  # a prepared model's structure: shapes only
+            bias = stacked_bias(linears)
+            return cls(k, parts, None if bias is None else torch.empty_like(bias, device="meta"))
+        packed = [w4a8_pack(b.raw, b.type_id, lin.out_features, k)
+                  for lin, b in zip(linears, blocks, strict=True)]
+        return cls(k, parts, stacked_bias(linears), packed)
 
     def segments(self) -> list[tuple[int, torch.Tensor, int]]:
         """(type id, packed weight, columns) per segment, as `linear_w4a8` takes them."""
@@ -116,3 +124,40 @@ class W4A8Linear(nn.Module):
         kinds = ", ".join(f"{names.get(t, t)}x{c}" for t, c in zip(self.types, self.columns,
                                                                       strict=True))
         return f"in_features={self.in_features}, segments=[{kinds}]"
+
+
+class W4A8Embedding(nn.Module):
+    """The token embedding kept as the file's packed K-quant blocks: a lookup dequantises its
+    rows (the file's values, bit for bit). A float32 copy of a 128k x 4096 table is 2 GB; a
+    tied model's table shares its blocks with the output projection."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, type_id: int,
+                 packed: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.type_id = (
+            num_embeddings, embedding_dim, type_id)
+        shape = (-(-num_embeddings // _GROUP), embedding_dim // _SUPER_BLOCK,
+                 W4A8_TYPES[type_id])
+        self.register_buffer("packed", packed if packed is not None else torch.empty(
+            shape, dtype=torch.uint8, device="meta"))
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Module,
+                       head: W4A8Linear | None = None) -> W4A8Embedding | None:
+        """From the file blocks the embedding holds (sharing `head`'s packed weight when the
+        output projection was made from the same blocks), or None where the kernel does not
+        read them."""
+        blocks = getattr(embedding, BLOCKS_ATTRIBUTE, None)
+        rows, dim = embedding.weight.shape
+        if blocks is None or not computable(blocks, dim):
+            return None
+        if blocks.raw.is_meta:
+            return cls(rows, dim, blocks.type_id)
+        if head is not None and head.types == [blocks.type_id] and head.out_features == rows:
+            return cls(rows, dim, blocks.type_id, head.packed_0)
+        return cls(rows, dim, blocks.type_id, w4a8_pack(blocks.raw, blocks.type_id, rows, dim))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the table for `input_ids` [...] -> float32 [..., D]."""
+        return w4a8_rows(self.packed, self.type_id, self.num_embeddings, self.embedding_dim,
+                         input_ids.cpu()).to(input_ids.device)

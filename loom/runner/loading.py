@@ -19,7 +19,7 @@ from loom.models.layers import fuse_projections
 from loom.models.quant import Int8Linear, quantize_model_int8
 from loom.models.registry import get_model_class
 from loom.models.tensor_parallel import shard_model
-from loom.models.w4a8 import BLOCKS_ATTRIBUTE, GGUFBlocks, W4A8Linear
+from loom.models.w4a8 import BLOCKS_ATTRIBUTE, GGUFBlocks, W4A8Embedding, W4A8Linear
 from loom.models.weight_shard import Shard
 from loom.runner.host_memory import release_freed_memory
 from loom.runner.prepared import load_prepared, prepared_path, read_prepared_config, save_prepared
@@ -62,24 +62,28 @@ def build_model(
                          "(see loom.kernels.kernel_status())")
     source = locate_model_files(resolve_model_path(path))
     cache = None
-    # w4a8 layers are not written to the prepared cache yet (their structure depends on each
-    # tensor's file type): a w4a8 load always reads the GGUF.
-    if source.format == "gguf" and quantization != "w4a8" \
-            and os.environ.get("LOOM_PREPARED_CACHE", "1") != "0":
-        layout = "packed" if quantization == "w8a8" and cpu_kernels_available() else "rows"
+    if source.format == "gguf" and os.environ.get("LOOM_PREPARED_CACHE", "1") != "0":
+        layout = "packed" if quantization in ("w8a8", "w4a8") and cpu_kernels_available() \
+            else "rows"
         cache = prepared_path(source.path, dtype, quantization, layout, shard)
         stored = read_prepared_config(cache)
         if stored is not None:
             stored_config, structure = stored
             model_cls, config = model_architecture(stored_config)
             compact = structure.get("embedding") == "int8-blocks"
-            model = load_prepared(
-                cache, lambda: _prepare(_construct(model_cls, config, dtype, quantization, shard),
-                                        dtype, quantization, compact), device)
+            kept = structure.get("w4a8_blocks", {})
+
+            def skeleton() -> CausalLM:
+                model = _construct(model_cls, config, dtype, quantization, shard)
+                _attach_meta_blocks(model, kept)
+                return _prepare(model, dtype, quantization, compact)
+
+            model = load_prepared(cache, skeleton, device)
             if model is not None:
                 return config, _for_inference(model)
     built: list[CausalLM] = []  # the model, for the blocks hook (which runs while it loads)
-    keep = _blocks_hook(built) if quantization == "w4a8" else None
+    kept: dict[str, int] = {}  # module -> the type of the blocks it was given (w4a8)
+    keep = _blocks_hook(built, kept) if quantization == "w4a8" else None
     hf_config, weights, _ = load_model_files(
         source.path, dtype=_load_dtype(dtype, quantization), keep_blocks=keep)
     model_cls, config = model_architecture(hf_config)
@@ -107,15 +111,16 @@ def build_model(
         try:
             embedding = model.model.embed_tokens
             kind = "int8-blocks" if isinstance(embedding, BlockInt8Embedding) else "dense"
-            save_prepared(cache, model, hf_config, {"embedding": kind})
+            save_prepared(cache, model, hf_config, {"embedding": kind, "w4a8_blocks": kept})
         except OSError as exc:  # a read-only or full cache only costs the next start time
             logger.warning("could not cache the prepared weights at %s: %s", cache, exc)
     return config, _for_inference(model)
 
 
-def _blocks_hook(built: list[CausalLM]) -> BlocksHook:
+def _blocks_hook(built: list[CausalLM], kept: dict[str, int]) -> BlocksHook:
     """The loader hook of w4a8: the file blocks of every tensor the kernel computes are kept
-    on the module that owns the tensor (BLOCKS_ATTRIBUTE), until its layer is prepared."""
+    on the module that owns the tensor (BLOCKS_ATTRIBUTE), until its layer is prepared;
+    `kept` records each such module's block type (what a warm start's structure needs)."""
 
     def keep(hf_name: str, type_id: int, raw: torch.Tensor) -> None:
         if type_id not in W4A8_TYPES or not built:
@@ -126,10 +131,19 @@ def _blocks_hook(built: list[CausalLM]) -> BlocksHook:
             return
         if name is None or not name.endswith(".weight"):
             return
-        owner = model.get_submodule(name.rpartition(".")[0])
-        setattr(owner, BLOCKS_ATTRIBUTE, GGUFBlocks(type_id, raw))
+        owner_name = name.rpartition(".")[0]
+        setattr(model.get_submodule(owner_name), BLOCKS_ATTRIBUTE, GGUFBlocks(type_id, raw))
+        kept[owner_name] = type_id
 
     return keep
+
+
+def _attach_meta_blocks(model: CausalLM, kept: dict[str, int]) -> None:
+    """Rebuilding a prepared w4a8 model's structure: give each module the (shape-less) blocks
+    of the type its file tensor had, so preparation makes the same layers."""
+    for name, type_id in kept.items():
+        setattr(model.get_submodule(name), BLOCKS_ATTRIBUTE,
+                GGUFBlocks(int(type_id), torch.empty(0, dtype=torch.uint8, device="meta")))
 
 
 def _load_dtype(dtype: torch.dtype, quantization: str | None) -> torch.dtype:
@@ -170,6 +184,12 @@ def _prepare(model: CausalLM, dtype: torch.dtype, quantization: str | None,
         if blocks is not None:
             setattr(model.lm_head, BLOCKS_ATTRIBUTE, blocks)
     _prepare_module(model, dtype, quantization)
+    if quantization == "w4a8" and isinstance(embedding, torch.nn.Embedding):
+        # Lookups from the file's blocks (shared with a tied output projection).
+        head = model.lm_head if isinstance(model.lm_head, W4A8Linear) else None
+        packed = W4A8Embedding.from_embedding(embedding, head if model.tie_embeddings else None)
+        if packed is not None:
+            model.model.embed_tokens = embedding = packed
     if hasattr(embedding, BLOCKS_ATTRIBUTE):
         delattr(embedding, BLOCKS_ATTRIBUTE)
     if quantization is not None:

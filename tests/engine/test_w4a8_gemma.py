@@ -117,3 +117,24 @@ def test_logits_stay_near_the_float_model(engine, gemma_path, prompts) -> None:
     assert int(logits["w4a8"].argmax()) == int(ref.argmax())
     worst = float((logits["w4a8"] - ref).abs().max())
     assert worst < 0.1 * float(ref.abs().max()), worst
+
+
+def test_a_second_load_reads_the_prepared_weights_and_computes_the_same_bits(
+    gemma_path, tmp_path, monkeypatch,
+) -> None:
+    """The first w4a8 load repacks the file and saves the prepared model; the second builds
+    the same layers from that file (no GGUF parsing) and gives the same logits."""
+    from loom.runner.loading import build_model
+    from loom.runner.prepared import prepared_path
+
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
+    _, first = build_model(gemma_path, quantization="w4a8")
+    cache = prepared_path(gemma_path, torch.float32, "w4a8", "packed")
+    assert cache.is_file()
+    _, second = build_model(gemma_path, quantization="w4a8")
+    assert [type(m) for m in first.modules()] == [type(m) for m in second.modules()]
+    down_a, down_b = first.model.layers[3].mlp.down_proj, second.model.layers[3].mlp.down_proj
+    assert isinstance(down_b, W4A8Linear) and down_b.types == down_a.types
+    assert torch.equal(down_a.packed_0, down_b.packed_0)
+    x = torch.randn(3, down_a.in_features, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(down_a(x), down_b(x))

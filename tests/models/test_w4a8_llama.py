@@ -1,0 +1,125 @@
+"""w4a8 on a Llama-architecture GGUF whose every matrix is a K-quant (Q4_K_M's mix: Q6_K for
+v, down and the tied embedding, Q4_K elsewhere): every linear layer and the embedding come
+from the file's blocks (llama.cpp's q/k row permutation undone on the blocks as on the
+values), a step's logits do not depend on how its tokens were split into steps, match the
+exact float model of the same file to activation rounding, and a prepared-cache load builds
+the same model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import chunk
+
+from loom.kernels import cpu_kernels_available
+from loom.runner import ModelRunner, build_model
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="w4a8 runs on the kernels")
+
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 512
+Q4_K, Q6_K = 12, 14
+
+
+def _k_blocks(rng: np.random.Generator, rows: int, cols: int, type_id: int) -> np.ndarray:
+    """Random blocks with scales small enough for weights of a few hundredths."""
+    count = rows * cols // 256
+    size = 144 if type_id == Q4_K else 210
+    blocks = rng.integers(0, 256, size=(count, size), dtype=np.uint8)
+    if type_id == Q4_K:
+        blocks[:, 4:16] &= 0x0F  # small six-bit scales and mins
+    else:
+        blocks[:, 192:208] &= 0x07  # small int8 sub-block scales
+    for at in ((0, 2) if type_id == Q4_K else (208,)):
+        scales = (rng.random(count, dtype=np.float32) * 2e-3 + 5e-4).astype(np.float16)
+        blocks[:, at:at + 2] = scales.view(np.uint8).reshape(count, 2)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.fixture(scope="module")
+def k_quant_llama(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("w4a8") / "tiny-q4km.gguf"
+    rng = np.random.default_rng(0)
+    types = gguf.GGMLQuantizationType
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+
+    def matrix(name: str, rows: int, cols: int, type_id: int) -> None:
+        writer.add_tensor(name, _k_blocks(rng, rows, cols, type_id), raw_dtype=types(type_id))
+
+    kv = KV_HEADS * HIDDEN // HEADS
+    matrix("token_embd.weight", VOCAB, HIDDEN, Q6_K)  # tied: the output's type
+    for i in range(LAYERS):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+        matrix(f"blk.{i}.attn_q.weight", HIDDEN, HIDDEN, Q4_K)
+        matrix(f"blk.{i}.attn_k.weight", kv, HIDDEN, Q4_K)
+        matrix(f"blk.{i}.attn_v.weight", kv, HIDDEN, Q6_K)
+        matrix(f"blk.{i}.attn_output.weight", HIDDEN, HIDDEN, Q4_K)
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+        matrix(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN, Q4_K)
+        matrix(f"blk.{i}.ffn_up.weight", FFN, HIDDEN, Q4_K)
+        matrix(f"blk.{i}.ffn_down.weight", HIDDEN, FFN, Q6_K)
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _logits(config, model, prompt: list[int], step: int) -> torch.Tensor:
+    """The last token's logits with the prompt computed in steps of `step` tokens."""
+    runner = ModelRunner(config, model, "cpu", torch.float32, 64, 4)
+    for start in range(0, len(prompt), step):
+        part = prompt[start:start + step]
+        row = runner.execute([chunk("s", part, start, len(prompt), seq=0)])
+    return row[-1]
+
+
+def test_every_matrix_and_the_embedding_come_from_the_files_blocks(
+    k_quant_llama, tmp_path, monkeypatch,
+) -> None:
+    from loom.models.w4a8 import W4A8Embedding, W4A8Linear
+
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
+    _, model = build_model(k_quant_llama, quantization="w4a8")
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.types == [Q4_K, Q4_K, Q6_K]
+    assert layer.mlp.gate_up_proj.types == [Q4_K, Q4_K]
+    assert layer.mlp.down_proj.types == [Q6_K]
+    assert isinstance(layer.self_attn.o_proj, W4A8Linear)
+    embedding = model.model.embed_tokens
+    assert isinstance(embedding, W4A8Embedding) and isinstance(model.lm_head, W4A8Linear)
+    assert embedding.packed.data_ptr() == model.lm_head.packed_0.data_ptr()  # shared
+    # The same weights as the exact float model of the file (q/k rows un-permuted alike).
+    _, exact = build_model(k_quant_llama, quantization=None)
+    stacked = exact.model.layers[0].self_attn.qkv_proj.weight
+    assert torch.equal(layer.self_attn.qkv_proj.dequantized_weight(), stacked)
+    ids = torch.tensor([0, 7, VOCAB - 1])
+    assert torch.equal(embedding(ids), exact.model.embed_tokens(ids))
+
+
+def test_logits_do_not_depend_on_the_steps_and_match_float(k_quant_llama, tmp_path,
+                                                           monkeypatch) -> None:
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
+    prompt = torch.randint(0, VOCAB, (37,), generator=torch.Generator().manual_seed(1)).tolist()
+    config, model = build_model(k_quant_llama, quantization="w4a8")
+    whole = _logits(config, model, prompt, 64)
+    for step in (1, 5, 16):
+        assert torch.equal(_logits(config, model, prompt, step), whole), step
+    _, cached = build_model(k_quant_llama, quantization="w4a8")  # from the prepared cache
+    assert torch.equal(_logits(config, cached, prompt, 64), whole)
+    _, exact = build_model(k_quant_llama, quantization=None)
+    ref = _logits(config, exact, prompt, 64)
+    assert int(whole.argmax()) == int(ref.argmax())
+    torch.testing.assert_close(whole, ref, atol=0.05 * float(ref.abs().max()), rtol=0)
