@@ -138,6 +138,11 @@ def choose_mode(
     auto_quant = quant == "auto"
     if auto_quant:
         quant = "w8a8" if weights_quantized and on_cpu and host.cpu_kernels else None
+    if quant == "w4a8" and not (on_cpu and host.cpu_kernels):
+        raise ValueError(
+            "quantization 'w4a8' runs on Loom's CPU kernels (a CPU where they build); "
+            f"this engine runs on {host.device}"
+            + ("" if not on_cpu else " without them (see loom.kernels.kernel_status())"))
     dtype = normalize_dtype(dtype)
     if dtype == "auto":
         if not on_cpu:

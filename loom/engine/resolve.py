@@ -141,6 +141,9 @@ def _build_model_parts(
     tp = args.tensor_parallel_size
     if not isinstance(tp, int) or tp < 1:
         raise InvalidRequestError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+    if tp > 1 and mode.quantization == "w4a8":
+        raise InvalidRequestError("quantization 'w4a8' does not shard over devices yet; "
+                                  "use 'w8a8' with tensor_parallel_size > 1")
     model_config = read_model_config(model_path)
     check_shardable(model_config, tp)
     rank_config = local_model_config(model_config, tp)  # what each rank's KV pool holds

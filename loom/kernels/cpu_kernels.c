@@ -1619,12 +1619,22 @@ LOOM_EXPORT int64_t loom_w4a8_dequantize(int64_t type, const uint8_t *packed, in
 /* The activations of a w4a8 call are QuantBuffers with xsx and x16 filled. */
 typedef QuantBuffers W4Act;
 
+/* The sum of 16 int8 values (explicit 256-bit code: a vectorised loop on the AVX-512 build
+ * would use 512-bit instructions, which the kernels avoid). */
+static inline int32_t w4_sum16(__m128i v) {
+    const __m256i s = _mm256_madd_epi16(_mm256_cvtepi8_epi16(v), _mm256_set1_epi16(1));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    return _mm_cvtsi128_si32(t);
+}
+
 static void w4_act_finish_row(W4Act a, int64_t r, int64_t k) {
     const int64_t nb = k / QBLOCK;
     for (int64_t b = 0; b < nb; b++) {
         const int8_t *q = a.xq + r * k + b * QBLOCK;
-        int32_t lo = 0, hi = 0;
-        for (int i = 0; i < 16; i++) lo += q[i], hi += q[16 + i];
+        const int32_t lo = w4_sum16(_mm_loadu_si128((const __m128i *)q));
+        const int32_t hi = w4_sum16(_mm_loadu_si128((const __m128i *)(q + 16)));
         a.x16[(r * nb + b) * 2] = lo, a.x16[(r * nb + b) * 2 + 1] = hi;
         a.xsx[r * nb + b] = a.xs[r * nb + b] * (float)(lo + hi);
     }
@@ -1915,8 +1925,10 @@ LOOM_EXPORT void loom_linear_w4a8(const float *x, int64_t m, int64_t k, int64_t 
     int64_t ny = 0;
     for (int64_t i = 0; i < nseg; i++) ny += ns[i];
     (void)ny;
-    W4Segments segs = {.count = nseg};
-    for (int64_t i = 0; i < nseg && i < W4_MAX_SEGMENTS; i++)
+    W4Segments segs; /* fields set one by one: a zeroing initialiser compiles to a 512-bit
+                      * store on the AVX-512 build */
+    segs.count = nseg < W4_MAX_SEGMENTS ? nseg : W4_MAX_SEGMENTS; /* the caller checks */
+    for (int64_t i = 0; i < segs.count; i++)
         segs.types[i] = types[i], segs.packed[i] = packed[i], segs.columns[i] = ns[i];
     const W4Act a = quant_buffers(m, k);
 #pragma omp parallel

@@ -265,6 +265,7 @@ def dequantize_gguf_blocks(raw: np.ndarray, type_id: int, out: torch.Tensor) -> 
 # columns and 256 k; see "w4a8" in cpu_kernels.c): Q4_K and Q6_K, the types of Q4_K_M files.
 W4A8_TYPES = {12: 1216, 14: 2208}
 W4A8_GROUP = 8
+W4A8_MAX_SEGMENTS = 4  # W4_MAX_SEGMENTS in cpu_kernels.c
 W4A8_SUPER_BLOCK = 256
 
 
@@ -319,6 +320,8 @@ def linear_w4a8(x: torch.Tensor, segments: list[tuple[int, torch.Tensor, int]],
     if k % W4A8_SUPER_BLOCK:
         raise ValueError(f"w4a8 needs K % 256 == 0, got K = {k}")
     n = sum(cols for _, _, cols in segments)
+    if not 1 <= len(segments) <= W4A8_MAX_SEGMENTS:
+        raise ValueError(f"w4a8 takes 1 to {W4A8_MAX_SEGMENTS} segments, got {len(segments)}")
     for type_id, packed, cols in segments:
         _check(packed, "packed", torch.uint8)
         want = (-(-cols // W4A8_GROUP), k // W4A8_SUPER_BLOCK, W4A8_TYPES.get(type_id, -1))

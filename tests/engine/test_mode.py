@@ -131,6 +131,16 @@ def test_explicit_choices_are_kept() -> None:
         "float32", None, "float16")
 
 
+def test_w4a8_is_only_chosen_explicitly_and_only_on_the_cpu_kernels() -> None:
+    for host in (AVX2, AVX512_BF16, AMX):
+        assert auto(True, host).quantization == "w8a8"
+        assert choose_mode("auto", "w4a8", "float16", True, host) == ExecutionMode(
+            "float32", "w4a8", "float16")
+    for host in (NO_KERNELS, CUDA):
+        with pytest.raises(ValueError, match="'w4a8' runs on Loom's CPU kernels"):
+            choose_mode("auto", "w4a8", "auto", True, host)
+
+
 def test_unknown_quantization_is_named() -> None:
     with pytest.raises(ValueError, match=r"'int4'.*auto"):
         choose_mode("auto", "int4", "auto", True, AVX2)
