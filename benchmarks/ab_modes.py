@@ -1,0 +1,71 @@
+"""Two Loom modes on one model, alternating in one process: decode tok/s and TTFT.
+
+On a noisy host (a shared VM) separate runs of the same command can differ by a third; two
+engines that take turns on the same prompts see the same noise, so their per-round ratio is
+what a comparison can rest on. Prints one JSON object (rounds, best values, per-round ratios).
+
+    python benchmarks/ab_modes.py --model F.gguf --modes w8a8 w4a8 --prompt 512 --tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import common as c
+
+
+def run_once(engine: Any, request_id: str, prompt: list[int],
+             params: Any) -> tuple[float, float]:
+    """(TTFT s, decode tok/s) of one greedy request."""
+    times: list[float] = []
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got = len(out.outputs[0].token_ids)
+            times.extend([time.perf_counter()] * (got - len(times)))
+    return times[0] - start, (len(times) - 1) / (times[-1] - times[0])
+
+
+def main() -> None:
+    """Parse the arguments, alternate the two engines, print the JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--modes", nargs=2, default=["w8a8", "w4a8"])
+    parser.add_argument("--kv-cache-dtype", default="float16")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+
+    from loom import LLM, SamplingParams
+
+    engines = {mode: LLM(model=args.model, quantization=mode, enable_prefix_caching=False,
+                         kv_cache_dtype=args.kv_cache_dtype).engine for mode in args.modes}
+    tokenizer = next(iter(engines.values())).tokenizer
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    rounds = []
+    for r in range(args.rounds):
+        prompt = c.prompt_token_ids(tokenizer, args.prompt, seed=r)
+        rounds.append({mode: run_once(engine, f"{mode}-{r}", prompt, params)
+                       for mode, engine in engines.items()})
+    a, b = args.modes
+    result = {
+        "command": c.command_line(), "machine": c.machine_info(), "model": args.model,
+        "modes": args.modes, "prompt": args.prompt, "tokens": args.tokens,
+        "rounds": [{m: {"ttft_ms": round(t * 1e3), "decode_tok_s": round(d, 2)}
+                    for m, (t, d) in rnd.items()} for rnd in rounds],
+        "best": {m: {"ttft_ms": round(min(rnd[m][0] for rnd in rounds) * 1e3),
+                     "decode_tok_s": round(max(rnd[m][1] for rnd in rounds), 2)}
+                 for m in args.modes},
+        f"decode {b} / {a} per round": [round(rnd[b][1] / rnd[a][1], 3) for rnd in rounds],
+        f"ttft {a} / {b} per round": [round(rnd[a][0] / rnd[b][0], 3) for rnd in rounds],
+    }
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
