@@ -124,7 +124,10 @@ def iter_gguf_weights(
 
     `keep_blocks(hf_name, type_id, raw)` receives, before its tensor is yielded, a copy of
     every quantised 2-D tensor's file blocks as uint8 [rows, bytes per row], rows in the
-    order of the yielded tensor (q/k rows un-permuted as its values are)."""
+    order of the yielded tensor (q/k rows un-permuted as its values are). Where it returns
+    True (the caller computes from the blocks and never reads the values) the tensor is
+    yielded as uninitialised storage of its shape: no dequantising, and no memory until
+    something writes it."""
     arch = gguf_architecture(reader)
     for tensor in reader.tensors:
         hf_name = gguf_to_hf_name(arch, tensor.name)
@@ -140,7 +143,11 @@ def iter_gguf_weights(
             if permuted:
                 key = "num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"
                 rows = _unpermute_qk(rows, int(config[key])).contiguous()
-            keep_blocks(hf_name, int(tensor.qtype), rows)
+            if keep_blocks(hf_name, int(tensor.qtype), rows):
+                del raw
+                reader.release(tensor)
+                yield hf_name, torch.empty(tuple(tensor.shape), dtype=dtype or torch.float32)
+                continue
         if rule is not None and rule.dim == 0 and not rule.first_rank_only and not permuted:
             start, stop = rule.span(tensor.shape[0])
             shape = (stop - start, *tensor.shape[1:])

@@ -11,8 +11,9 @@ import torch
 
 WeightIterator = Iterator[tuple[str, torch.Tensor]]
 # Told a quantised tensor's file blocks while it loads: (hf name, GGUF type id, uint8
-# [rows, bytes per row]).
-BlocksHook = Callable[[str, int, torch.Tensor], None]
+# [rows, bytes per row]); returns True where the values will never be read (computed from
+# the blocks), so the loader need not dequantise them.
+BlocksHook = Callable[[str, int, torch.Tensor], bool]
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from loom.errors import InvalidModelError
-from loom.kernels import W4A8_TYPES, cpu_kernels_available
+from loom.kernels import W4A8_TYPES, cpu_kernels_available, dequantize_gguf_blocks
 from loom.loader import BlocksHook, load_model_files, locate_model_files, resolve_model_path
 from loom.models.base import CausalLM
 from loom.models.block_embedding import BlockInt8Embedding
@@ -19,7 +19,13 @@ from loom.models.layers import fuse_projections
 from loom.models.quant import Int8Linear, quantize_model_int8
 from loom.models.registry import get_model_class
 from loom.models.tensor_parallel import shard_model
-from loom.models.w4a8 import BLOCKS_ATTRIBUTE, GGUFBlocks, W4A8Embedding, W4A8Linear
+from loom.models.w4a8 import (
+    BLOCKS_ATTRIBUTE,
+    GGUFBlocks,
+    W4A8Embedding,
+    W4A8Linear,
+    computable,
+)
 from loom.models.weight_shard import Shard
 from loom.runner.host_memory import release_freed_memory
 from loom.runner.prepared import load_prepared, prepared_path, read_prepared_config, save_prepared
@@ -122,20 +128,48 @@ def _blocks_hook(built: list[CausalLM], kept: dict[str, int]) -> BlocksHook:
     on the module that owns the tensor (BLOCKS_ATTRIBUTE), until its layer is prepared;
     `kept` records each such module's block type (what a warm start's structure needs)."""
 
-    def keep(hf_name: str, type_id: int, raw: torch.Tensor) -> None:
+    def keep(hf_name: str, type_id: int, raw: torch.Tensor) -> bool:
         if type_id not in W4A8_TYPES or not built:
-            return
+            return False
         model = built[0]
         name = model.map_weight_name(hf_name)
-        if name is None and model.tie_embeddings and hf_name == "lm_head.weight":
-            return
         if name is None or not name.endswith(".weight"):
-            return
+            return False
         owner_name = name.rpartition(".")[0]
-        setattr(model.get_submodule(owner_name), BLOCKS_ATTRIBUTE, GGUFBlocks(type_id, raw))
+        blocks = GGUFBlocks(type_id, raw)
+        owner = model.get_submodule(owner_name)
+        if not computable(blocks, int(owner.weight.shape[1])):
+            return False
+        setattr(owner, BLOCKS_ATTRIBUTE, blocks)
         kept[owner_name] = type_id
+        # Every module that holds computable blocks is built from them, or (a stack with a
+        # part the kernel cannot compute) has its values decoded from them (`_values_from_blocks`).
+        return True
 
     return keep
+
+
+def _values_from_blocks(linear: torch.nn.Module) -> None:
+    """Give a linear layer whose loader skipped its values (its blocks are kept) the file's
+    values, decoded from the blocks (the same bits the loader would have yielded)."""
+    blocks = getattr(linear, BLOCKS_ATTRIBUTE, None)
+    if blocks is None or blocks.raw.is_meta:
+        return
+    values = torch.empty(tuple(linear.weight.shape), dtype=torch.float32)
+    if not dequantize_gguf_blocks(blocks.raw.numpy(), blocks.type_id, values):
+        raise RuntimeError(f"cannot decode GGUF blocks of type {blocks.type_id}")
+    linear.weight = torch.nn.Parameter(values, requires_grad=False)
+
+
+def _w4a8_stack(parts: list[torch.nn.Module]) -> torch.nn.Module:
+    """A stacked projection from the file's blocks, or, where the kernel cannot compute
+    every part, w8a8 over the parts' values (decoded from the blocks where they were kept)."""
+    made = W4A8Linear.from_linears(parts)
+    if made is not None:
+        return made
+    for part in parts:
+        _values_from_blocks(part)
+    return Int8Linear.stacked(parts, True)
 
 
 def _attach_meta_blocks(model: CausalLM, kept: dict[str, int]) -> None:
@@ -207,8 +241,7 @@ def _prepare_module(module: torch.nn.Module, dtype: torch.dtype,
         return
     activations = quantization in ("w8a8", "w4a8")
     if quantization == "w4a8":  # from the file's blocks where the kernel computes them
-        fuse_projections(module, lambda parts: W4A8Linear.from_linears(parts)
-                         or Int8Linear.stacked(parts, activations))
+        fuse_projections(module, _w4a8_stack)
         quantize_model_int8(module, activations, first=lambda lin: W4A8Linear.from_linears([lin]))
     else:
         fuse_projections(module, lambda parts: Int8Linear.stacked(parts, activations))

@@ -41,7 +41,11 @@ def _k_blocks(rng: np.random.Generator, rows: int, cols: int, type_id: int) -> n
 
 @pytest.fixture(scope="module")
 def k_quant_llama(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("w4a8") / "tiny-q4km.gguf"
+    return _write_llama(tmp_path_factory.mktemp("w4a8") / "tiny-q4km.gguf", v_type=Q6_K)
+
+
+def _write_llama(path: Path, v_type: int) -> Path:
+    """The tiny file, attn_v in `v_type` (Q8_0: a type the kernel does not compute)."""
     rng = np.random.default_rng(0)
     types = gguf.GGMLQuantizationType
     writer = gguf.GGUFWriter(str(path), arch="llama")
@@ -55,6 +59,11 @@ def k_quant_llama(tmp_path_factory) -> Path:
     writer.add_rope_freq_base(10000.0)
 
     def matrix(name: str, rows: int, cols: int, type_id: int) -> None:
+        if type_id == int(types.Q8_0):
+            values = rng.standard_normal((rows, cols), dtype=np.float32) * 0.05
+            writer.add_tensor(name, gguf.quants.quantize(values, types.Q8_0),
+                              raw_dtype=types.Q8_0)
+            return
         writer.add_tensor(name, _k_blocks(rng, rows, cols, type_id), raw_dtype=types(type_id))
 
     kv = KV_HEADS * HIDDEN // HEADS
@@ -63,7 +72,7 @@ def k_quant_llama(tmp_path_factory) -> Path:
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
         matrix(f"blk.{i}.attn_q.weight", HIDDEN, HIDDEN, Q4_K)
         matrix(f"blk.{i}.attn_k.weight", kv, HIDDEN, Q4_K)
-        matrix(f"blk.{i}.attn_v.weight", kv, HIDDEN, Q6_K)
+        matrix(f"blk.{i}.attn_v.weight", kv, HIDDEN, v_type)
         matrix(f"blk.{i}.attn_output.weight", HIDDEN, HIDDEN, Q4_K)
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
         matrix(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN, Q4_K)
@@ -123,3 +132,23 @@ def test_logits_do_not_depend_on_the_steps_and_match_float(k_quant_llama, tmp_pa
     ref = _logits(config, exact, prompt, 64)
     assert int(whole.argmax()) == int(ref.argmax())
     torch.testing.assert_close(whole, ref, atol=0.05 * float(ref.abs().max()), rtol=0)
+
+
+def test_a_stack_with_a_part_the_kernel_cannot_compute_is_w8a8_of_the_files_values(
+    tmp_path, monkeypatch,
+) -> None:
+    """q and k are Q4_K (their values are not decoded while loading: the kernel would compute
+    them), v is Q8_0: the q/k/v stack falls back to w8a8, over q and k decoded from their
+    kept blocks: the same int8 weights as the w8a8 mode makes from the loaded values."""
+    from loom.models.quant import Int8Linear
+    from loom.models.w4a8 import W4A8Linear
+
+    monkeypatch.setenv("LOOM_PREPARED_CACHE", "0")
+    path = _write_llama(tmp_path / "q8-v.gguf", v_type=8)
+    _, w4 = build_model(path, quantization="w4a8")
+    _, w8 = build_model(path, quantization="w8a8")
+    for a, b in zip(w4.model.layers, w8.model.layers, strict=True):
+        assert isinstance(a.self_attn.qkv_proj, Int8Linear)
+        assert torch.equal(a.self_attn.qkv_proj.weight_q, b.self_attn.qkv_proj.weight_q)
+        assert torch.equal(a.self_attn.qkv_proj.scales, b.self_attn.qkv_proj.scales)
+        assert isinstance(a.mlp.gate_up_proj, W4A8Linear)
