@@ -11,22 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from typing import Any
 
 import common as c
+from bench_latency import loom_runner
 
 
-def run_once(engine: Any, request_id: str, prompt: list[int],
-             params: Any) -> tuple[float, float]:
-    """(TTFT s, decode tok/s) of one greedy request."""
-    times: list[float] = []
-    start = time.perf_counter()
-    engine.add_request(request_id, prompt, params)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            got = len(out.outputs[0].token_ids)
-            times.extend([time.perf_counter()] * (got - len(times)))
+def run_once(runner: Any, prompt: list[int], tokens: int) -> tuple[float, float]:
+    """(TTFT s, decode tok/s) of one greedy request through bench_latency's runner."""
+    start, times = runner(prompt, tokens)
     return times[0] - start, (len(times) - 1) / (times[-1] - times[0])
 
 
@@ -41,17 +34,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
 
-    from loom import LLM, SamplingParams
+    from loom import LLM
 
     engines = {mode: LLM(model=args.model, quantization=mode, enable_prefix_caching=False,
                          kv_cache_dtype=args.kv_cache_dtype).engine for mode in args.modes}
     tokenizer = next(iter(engines.values())).tokenizer
-    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    runners = {mode: loom_runner(engine) for mode, engine in engines.items()}
     rounds = []
     for r in range(args.rounds):
         prompt = c.prompt_token_ids(tokenizer, args.prompt, seed=r)
-        rounds.append({mode: run_once(engine, f"{mode}-{r}", prompt, params)
-                       for mode, engine in engines.items()})
+        rounds.append({mode: run_once(runner, prompt, args.tokens)
+                       for mode, runner in runners.items()})
     a, b = args.modes
     result = {
         "command": c.command_line(), "machine": c.machine_info(), "model": args.model,
