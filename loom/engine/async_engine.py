@@ -201,16 +201,19 @@ class AsyncLLMEngine:
         self._ensure_loop()
         return await fut
 
-    async def append(
+    async def prefill(
         self,
         request_id: str,
         fragment: str | Sequence[int],
         sampling_params: SamplingParams | None = None,
         **kwargs: Any,
     ) -> int:
-        """Append a fragment to a session (see `LLMEngine.append`)."""
+        """Append a fragment to a live request or session (see `LLMEngine.prefill`);
+        `append` is the same call."""
         fn = self.engine.append if sampling_params is None else self._drained(self.engine.append)
         return await self._call(fn, request_id, fragment, sampling_params, **kwargs)
+
+    append = prefill
 
     async def resume(self, request_id: str, sampling_params: SamplingParams) -> None:
         """Start a new generation segment on a paused session."""
@@ -375,9 +378,12 @@ class Session:
         if self.engine.is_live(self.request_id):
             await self.engine.close(self.request_id)
 
-    async def append(self, fragment: str | Sequence[int], **kwargs: Any) -> int:
-        """Append a fragment (computed by the next steps); returns its token count."""
-        return await self.engine.append(self.request_id, fragment, **kwargs)
+    async def prefill(self, fragment: str | Sequence[int], **kwargs: Any) -> int:
+        """Append a fragment (computed by the next steps); returns its token count. `append`
+        is the same call."""
+        return await self.engine.prefill(self.request_id, fragment, **kwargs)
+
+    append = prefill
 
     async def generate(self, sampling_params: SamplingParams) -> SegmentOutput:
         """Generate one segment and wait for it to end: exactly the tokens it produced."""

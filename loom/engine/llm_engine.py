@@ -199,7 +199,7 @@ class LLMEngine:
 
     # ---- sessions ----------------------------------------------------------------------
 
-    def append(
+    def prefill(
         self,
         request_id: str,
         fragment: str | Sequence[int],
@@ -207,8 +207,14 @@ class LLMEngine:
         *,
         heal: bool = False,
     ) -> int:
-        """Append a fragment to a session (see `SessionManager.append`); returns its length."""
+        """Append a fragment to a live request, computed by the next steps: a session (paused:
+        it stays paused with new stored logits, or starts a segment with `sampling_params`;
+        generating: it goes on after the fragment), or any request of one sequence, which
+        goes on generating after it (see `SessionManager.append`). Returns its length.
+        `append` is the same call."""
         return self.sessions.append(request_id, fragment, sampling_params, heal=heal)
+
+    append = prefill
 
     def resume(self, request_id: str, sampling_params: SamplingParams) -> None:
         """Start a generation segment on a paused session (see `SessionManager.resume`)."""

@@ -77,6 +77,25 @@ class SessionManager:
     def _session(self, request_id: str) -> SequenceState:
         return self.table.session(request_id)
 
+    def _fragment_target(self, request_id: str, sampling_params: SamplingParams | None,
+                         heal: bool) -> SequenceState:
+        """The sequence a fragment goes to: a session's, or that of any live request of one
+        sequence (the fragment is input computed by the next steps; the request then goes on
+        generating with its parameters, and ends as it would have)."""
+        group = self.table.group(request_id)
+        seq = group[0]
+        if seq.is_session:
+            return seq
+        if len(group) > 1:
+            raise InvalidRequestError(
+                f"request {request_id!r} has {len(group)} sequences; a fragment goes to a "
+                "request of one sequence or to a session")
+        if sampling_params is not None or heal:
+            raise InvalidSessionStateError(
+                f"request {request_id!r} is not a session: a fragment continues its generation "
+                "(new sampling parameters and heal=True need session=True)")
+        return seq
+
     def append(
         self,
         request_id: str,
@@ -87,13 +106,14 @@ class SessionManager:
     ) -> int:
         """Append a fragment (text or token ids) after every token so far; returns its length.
 
-        Generating sessions continue after the fragment with their parameters. Paused ones
+        Any live request of one sequence takes a fragment: a plain request, like a generating
+        session, continues after it with its parameters. Paused ones
         compute the fragment and stay paused with new last logits, unless `sampling_params`
         is given, which starts a new generation segment after it. Text is tokenised on its
         own (no BOS); `heal=True` re-tokenises the last few tokens together with the text and
         rewinds only the tokens that change.
         """
-        seq = self._session(request_id)
+        seq = self._fragment_target(request_id, sampling_params, heal)
         request = seq.request
         if heal:
             if not isinstance(fragment, str):

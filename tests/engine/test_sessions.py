@@ -218,7 +218,9 @@ def test_session_errors_are_clear_and_leave_state_unchanged(tiny_models):
         engine.rewind("s", 0)
     engine.add_request("plain", prompt_ids(4), GREEDY)
     with pytest.raises(InvalidSessionStateError, match="not a session"):
-        engine.append("plain", [5])
+        engine.append("plain", [5], GREEDY)  # a new segment needs a session
+    with pytest.raises(InvalidSessionStateError, match="not a session"):
+        engine.append("plain", "x", heal=True)
     engine.close("s")
     with pytest.raises(SessionClosedError, match="closed"):
         engine.append("s", "more")
@@ -282,3 +284,57 @@ def test_float16_kv_cache_session_equals_fresh_forward(tiny_models):
 def test_unknown_kv_cache_dtype_is_rejected(tiny_models):
     with pytest.raises(InvalidRequestError, match="kv_cache_dtype 'int4'"):
         make_engine(tiny_models["llama"][0], kv_cache_dtype="int4")
+
+
+def test_any_live_request_takes_a_fragment_and_generates_as_a_fresh_request(tiny_models):
+    """The seed's calls on a plain request: add, step, `prefill` a fragment mid-generation.
+    It goes on generating after the fragment; every token after it is transformers' greedy
+    token over the whole sequence (prompt, tokens so far, fragment), as a fresh request on
+    those tokens generates them."""
+    folder, hf = tiny_models["llama"]
+    engine = make_engine(folder)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = prompt_ids(9)
+    engine.add_request("req1", prompt, params)
+    engine.step()  # the prompt and the first token
+    engine.step()  # a second token
+    fragment = [11, 12, 13]
+    assert engine.prefill("req1", fragment) == 3
+    out = settle(engine)["req1"].outputs[0]
+    tokens = prompt + list(out.token_ids)
+    at = tokens.index(11, len(prompt))
+    assert tokens[at:at + 3] == fragment and at == len(prompt) + 2
+    assert len(out.token_ids) == 8 + 3  # the fragment is input: max_tokens counts generated
+    assert_greedy_consistent(hf, tokens, [(len(prompt), at), (at + 3, len(tokens))])
+    engine.add_request("fresh", tokens[:at + 3], SamplingParams(
+        temperature=0.0, max_tokens=len(tokens) - at - 3, ignore_eos=True))
+    fresh = settle(engine)["fresh"].outputs[0]
+    assert list(fresh.token_ids) == tokens[at + 3:]
+    with pytest.raises(UnknownRequestError, match="already"):
+        engine.prefill("req1", [5])  # it ended
+    assert engine.kv_pool_all_free
+
+
+def test_the_async_engine_takes_the_seeds_prefill_call(tiny_models):
+    import asyncio
+
+    from loom.engine.async_engine import AsyncLLMEngine
+    from loom.engine.config import EngineArgs
+
+    folder, _ = tiny_models["llama"]
+
+    async def main():
+        engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=str(folder)))
+        params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        await engine.add_request("req1", prompt_ids(6), params)
+        await engine.step()
+        appended = await engine.prefill("req1", [21, 22])
+        last = None
+        async for out in engine.outputs("req1"):
+            last = out
+        return appended, last
+
+    appended, last = asyncio.run(main())
+    assert appended == 2
+    tokens = list(last.outputs[0].token_ids)
+    assert tokens[1:3] == [21, 22] and len(tokens) == 5 + 2  # after the first token
