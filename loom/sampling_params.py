@@ -97,6 +97,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    # OpenAI's logit_bias: token id -> a value in [-100, 100] added to its logit before
+    # sampling (-100 in effect bans a token, 100 forces it); reported logprobs stay raw.
+    logit_bias: dict[int, float] | None = None
     logits_processors: list[Any] | None = field(default=None, compare=False)
     # What each output of the request holds (vLLM's `output_kind`): everything so far, what
     # is new since the previous output, or one output when the request (or a session's
@@ -148,6 +151,14 @@ class SamplingParams:
             not isinstance(t, int) or t < 0 for t in self.stop_token_ids
         ):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if self.logit_bias is not None and (
+            not isinstance(self.logit_bias, dict)
+            or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                   for t in self.logit_bias)
+            or any(isinstance(v, bool) or not isinstance(v, int | float) or not -100 <= v <= 100
+                   for v in self.logit_bias.values())
+        ):
+            raise bad("logit_bias", "must map token ids (integers >= 0) to values in [-100, 100]")
         if self.structured_outputs is not None and not isinstance(
                 self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")

@@ -93,8 +93,11 @@ class InputProcessor:
         self.check_token_ids(owner, ids)
 
     def check_params(self, owner: str, params: SamplingParams) -> None:
-        """What `SamplingParams` cannot check alone: a structured-output constraint must
-        compile (an invalid schema, regex or grammar is refused before anything is queued)."""
+        """What `SamplingParams` cannot check alone: logit_bias ids must be in the
+        vocabulary, and a structured-output constraint must compile (an invalid schema,
+        regex or grammar is refused before anything is queued)."""
+        if params.logit_bias:
+            self.check_token_ids(owner, list(params.logit_bias))
         if params.structured_outputs is not None:
             if self.structured is None:
                 raise InvalidRequestError(f"request {owner!r}: structured output is off")

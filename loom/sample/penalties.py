@@ -1,6 +1,8 @@
-"""Argmax-changing logits edits, applied to every row: logits processors, min_tokens, penalties.
+"""Argmax-changing logits edits, applied to every row: logits processors, logit bias,
+min_tokens, penalties.
 
-Order (vLLM): per-request logits processors, then min_tokens masking, then the penalties.
+Order (vLLM): per-request logits processors, the logit bias, then min_tokens masking, then
+the penalties.
 All take float32 [B, V] logits; only `apply_logits_processors` edits its input in place.
 """
 
@@ -128,3 +130,25 @@ def apply_penalties(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
         [r.params.frequency_penalty for r in sub_rows],
     )
     return sub if index is None else logits.index_copy(0, index, sub)
+
+
+def apply_logit_bias(logits: Tensor, rows: Sequence[SamplingRow]) -> Tensor:
+    """Each row's `params.logit_bias` added to its logits, all rows in one scatter (a new
+    tensor if any row has a bias; ids past the vocabulary are the input processor's to
+    refuse)."""
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    values: list[float] = []
+    for i, row in enumerate(rows):
+        for tok, bias in (row.params.logit_bias or {}).items():
+            row_idx.append(i)
+            tok_idx.append(tok)
+            values.append(float(bias))
+    if not row_idx:
+        return logits
+    out = logits.clone()
+    device = logits.device
+    out.index_put_(
+        (torch.tensor(row_idx, device=device), torch.tensor(tok_idx, device=device)),
+        torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
+    return out

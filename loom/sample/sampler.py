@@ -5,6 +5,7 @@ Pipeline (vLLM V1 order), each step batched over the rows that need it:
     raw logits ──> logprobs, top logprobs (log-softmax of the raw logits)
         │
         ├─ per-request logits processors      (every row)
+        ├─ logit_bias                         (rows with a bias, one scatter)
         ├─ min_tokens: mask stop ids and eos  (every row)
         ├─ repetition / presence / frequency  (rows with penalties)
         ├─ greedy rows: argmax                (no softmax)
@@ -28,7 +29,12 @@ from torch import Tensor
 from loom.kernels import argmax_logsumexp, use_cpu_kernels
 from loom.sample.draw import inverse_cdf, uniforms
 from loom.sample.filters import apply_min_p, apply_temperature, apply_top_k_top_p
-from loom.sample.penalties import apply_logits_processors, apply_min_tokens, apply_penalties
+from loom.sample.penalties import (
+    apply_logit_bias,
+    apply_logits_processors,
+    apply_min_tokens,
+    apply_penalties,
+)
 from loom.sample.rows import SamplingRow, is_greedy
 from loom.sampling_params import SamplingParams
 
@@ -48,7 +54,8 @@ class SamplerOutput:
 def process_logits(
     logits: Tensor, rows: Sequence[SamplingRow], errors: dict[int, Exception] | None = None
 ) -> Tensor:
-    """Logits processors, min_tokens and penalties over [B, V] (float32; input not modified).
+    """Logits processors, logit bias, min_tokens and penalties over [B, V] (float32; input
+    not modified).
     `errors`: see `apply_logits_processors`."""
     out = logits.float()
     if any(row.params.logits_processors for row in rows):
@@ -56,6 +63,7 @@ def process_logits(
         apply_logits_processors(out, rows, errors)
         for i in errors or ():  # a failed row keeps its logits as they came in
             out[i] = logits[i]
+    out = apply_logit_bias(out, rows)
     out = apply_min_tokens(out, rows)
     return apply_penalties(out, rows)
 

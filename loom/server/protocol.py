@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from loom.errors import InvalidSamplingParamsError
 from loom.sampling_params import SamplingParams
 
 NonNegInt = Annotated[int, Field(ge=0)]
@@ -47,6 +48,8 @@ class SamplingFields(StrictModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # OpenAI's map of token id (a JSON object's string key) to a bias in [-100, 100].
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
 
     def sampling_params(self, max_tokens: int | None,
@@ -70,7 +73,21 @@ class SamplingFields(StrictModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             max_tokens=max_tokens,
             logprobs=logprobs,
+            logit_bias=self._logit_bias(),
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """`logit_bias` with integer token ids (a key that is not one is named)."""
+        if not self.logit_bias:
+            return None
+        bias: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            if not key.strip().isdigit():
+                raise InvalidSamplingParamsError(
+                    f"invalid sampling parameter logit_bias={self.logit_bias!r}: key {key!r} "
+                    "is not a token id")
+            bias[int(key)] = value
+        return bias
 
 
 class JSONSchemaFormat(StrictModel):

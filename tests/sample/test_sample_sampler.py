@@ -239,3 +239,28 @@ def test_inverse_cdf_frequencies_with_padding() -> None:
     tokens = inverse_cdf(probs, u)[0].tolist()
     want = (probs[0] / probs.sum()).tolist()
     assert total_variation(empirical(tokens, vocab), want) < 0.055  # expected ~0.039 here
+
+
+def test_logit_bias_is_added_to_its_rows_only_and_logprobs_stay_raw() -> None:
+    logits = _logits(3, seed=9)
+    plain = Sampler()(logits, [_row(SamplingParams(temperature=0.0))] * 3)
+    banned = plain.token_ids[0]
+    rows = [
+        _row(SamplingParams(temperature=0.0, logit_bias={banned: -100})),  # bans the argmax
+        _row(SamplingParams(temperature=0.0, logit_bias={7: 100.0})),  # forces token 7
+        _row(SamplingParams(temperature=0.0)),
+    ]
+    out = Sampler()(logits, rows)
+    assert out.token_ids[0] != banned
+    assert out.token_ids[0] == int(logits[0].clone().index_fill_(0, torch.tensor([banned]),
+                                                                  -1e9).argmax())
+    assert out.token_ids[1] == 7
+    assert out.token_ids[2] == plain.token_ids[2]
+    raw = torch.log_softmax(logits.double(), dim=-1)
+    assert out.logprobs[1] == pytest.approx(float(raw[1, 7]), abs=1e-5)
+
+
+@pytest.mark.parametrize("bias", [{-1: 1.0}, {3: 101}, {3: "x"}, [3], {True: 1.0}])
+def test_bad_logit_bias_is_named(bias) -> None:
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)

@@ -106,6 +106,29 @@ def test_logprobs_and_stop(tiny):
         assert cut.finish_reason == "stop" and cut.text == text[: text.index(stop)]
 
 
+def test_logit_bias_forces_and_bans_tokens(tiny):
+    """OpenAI's logit_bias (token id strings -> [-100, 100]) through the client: +100 makes
+    a token every greedy choice, -100 keeps the unbiased first token out; out-of-range or
+    non-id keys are 400s naming the field."""
+    _server, client, llm = tiny
+    greedy = dict(max_tokens=4, temperature=0.0)
+    first = offline(llm, PROMPTS[0], **greedy)[0].token_ids[0]
+    for bias in ({42: 100}, {first: -100}):
+        expected = offline(llm, PROMPTS[0], logit_bias=bias, **greedy)[0]
+        got = client.completions.create(model=MODEL, prompt=PROMPTS[0],
+                                        logit_bias={str(t): v for t, v in bias.items()},
+                                        **greedy)
+        assert got.choices[0].text == expected.text
+        if bias == {42: 100}:
+            assert list(expected.token_ids) == [42] * 4
+        else:
+            assert expected.token_ids[0] != first
+    for bad in ({"42": 101}, {"x": 1}, {str(10**9): 1}):
+        with pytest.raises(openai.BadRequestError, match=r"logit_bias|token ids"):
+            client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=1,
+                                      logit_bias=bad)
+
+
 def test_echo_prepends_the_prompt(tiny):
     _, client, _ = tiny
     plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4,
