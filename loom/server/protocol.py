@@ -7,14 +7,29 @@ not a silently ignored value. Responses are plain dicts built in `responses.py`.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from loom.errors import InvalidSamplingParamsError
 from loom.sampling_params import SamplingParams
 
 NonNegInt = Annotated[int, Field(ge=0)]
+
+logger = logging.getLogger("loom.server")
+
+# Fields OpenAI and vLLM clients send that change nothing a generation returns here (and
+# `chat_template_kwargs`, which the issue lists among them: not passed to the template yet):
+# they are accepted, named in a logged warning and dropped (as vLLM does with fields it
+# ignores). Any
+# other unknown field stays a 400 naming it: a field that would change the result (beam
+# search, prompt truncation, ...) must not be silently ignored, and a misspelt one should be
+# found.
+IGNORED_FIELDS = frozenset({
+    "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
+    "chat_template_kwargs", "priority", "request_id", "cache_salt",
+})
 
 
 class StrictModel(BaseModel):
@@ -51,6 +66,19 @@ class SamplingFields(StrictModel):
     # OpenAI's map of token id (a JSON object's string key) to a bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignored_fields(cls, data: Any) -> Any:
+        """Remove IGNORED_FIELDS from a request body, with one warning naming them."""
+        if not isinstance(data, dict):
+            return data
+        ignored = sorted(IGNORED_FIELDS & data.keys())
+        if not ignored:
+            return data
+        logger.warning("ignoring request fields that change nothing here: %s",
+                       ", ".join(ignored))
+        return {k: v for k, v in data.items() if k not in IGNORED_FIELDS}
 
     def sampling_params(self, max_tokens: int | None,
                         logprobs: int | None = None) -> SamplingParams:

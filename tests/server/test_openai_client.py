@@ -129,6 +129,29 @@ def test_logit_bias_forces_and_bans_tokens(tiny):
                                       logit_bias=bad)
 
 
+def test_fields_that_change_nothing_are_ignored_with_a_warning(tiny, caplog):
+    """OpenAI clients send `store`, `metadata`, `service_tier`; vLLM's send
+    `chat_template_kwargs`: accepted (a logged warning names them), the same tokens as
+    without; a field that would change the result and is not supported stays a 400."""
+    server, client, _llm = tiny
+    base = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0.0)
+    plain = httpx.post(f"{server.base_url}/v1/completions", json=base, timeout=60).json()
+    with caplog.at_level("WARNING", logger="loom.server"):
+        extra = httpx.post(f"{server.base_url}/v1/completions", timeout=60, json={
+            **base, "store": True, "metadata": {"run": "1"}, "service_tier": "auto",
+            "chat_template_kwargs": {"enable_thinking": False}})
+    assert extra.status_code == 200, extra.text
+    assert extra.json()["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert any("metadata" in r.getMessage() and "store" in r.getMessage()
+               for r in caplog.records)
+    refused = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                         json={**base, "use_beam_search": True})
+    assert refused.status_code == 400 and "use_beam_search" in refused.text
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                          store=False, metadata={"a": "b"})
+    assert chat.choices[0].message is not None
+
+
 def test_echo_prepends_the_prompt(tiny):
     _, client, _ = tiny
     plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4,
