@@ -13,6 +13,7 @@ from loom.kernels.build import kernel_status, load_library
 from loom.kernels.cpu_ops import (
     GGUF_C_BLOCK_TYPES,
     KV_CACHE_KERNEL_DTYPES,
+    W4A8_MAX_SEGMENTS,
     W4A8_TYPES,
     argmax_logsumexp,
     cpu_kernels_available,
@@ -27,6 +28,7 @@ from loom.kernels.cpu_ops import (
     use_cpu_kernels,
     w4a8_dequantize,
     w4a8_pack,
+    w4a8_packed_shape,
     w4a8_rows,
 )
 
@@ -35,7 +37,6 @@ from loom.kernels.cpu_ops import (
 # any result: K/V stored by engines of another arithmetic must never be loaded
 # (`KVCacheSpec.arithmetic`).
 KERNEL_ARITHMETIC = "loom-cpu-2"
-
 
 
 def elementwise_kernels(x: torch.Tensor, *params: torch.Tensor) -> ModuleType | None:
@@ -53,6 +54,7 @@ __all__ = [
     "GGUF_C_BLOCK_TYPES",
     "KERNEL_ARITHMETIC",
     "KV_CACHE_KERNEL_DTYPES",
+    "W4A8_MAX_SEGMENTS",
     "W4A8_TYPES",
     "argmax_logsumexp",
     "cpu_kernels_available",
@@ -70,5 +72,6 @@ __all__ = [
     "use_cpu_kernels",
     "w4a8_dequantize",
     "w4a8_pack",
+    "w4a8_packed_shape",
     "w4a8_rows",
 ]

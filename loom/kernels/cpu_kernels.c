@@ -799,6 +799,20 @@ static void quantize_rows_body(const float *x, int64_t m, int64_t k, int8_t *xq,
         quantize_row_q8(x + r * k, k, xq + r * k, xs + r * (k / QBLOCK), xsum + r * (k / QBLOCK));
 }
 
+/* acc + the exact int32 products of unsigned weights w and signed activations xb, four per
+ * lane. VNNI: one instruction, any w; AVX2: u8 x s8 pairs in int16, exact only while a pair
+ * cannot saturate (w <= 128: w4a8's weights are at most 63), then pairs of pairs. */
+static inline __m256i dot_u8s8(__m256i acc, __m256i w, __m256i xb) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, w, xb);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, w, xb);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, xb),
+                                                   _mm256_set1_epi16(1)));
+#endif
+}
+
 /* The packed weight (`loom.kernels.w8a8_layout.to_packed_layout`): output columns in
  * groups of COLS, each group's k in steps of 4, as unsigned bytes w + 128:
  *     wp[((g * (k / 4) + s) * COLS + c) * 4 + j] = W[COLS * g + c, 4 s + j] + 128
@@ -811,10 +825,8 @@ static void quantize_rows_body(const float *x, int64_t m, int64_t k, int8_t *xq,
  * product that cannot saturate on w + 128, so it restores w, moves x's sign onto it and
  * multiplies |x| by it in int16 pairs (at most 2 * 127 * 127, exact). Same exact sums. */
 static inline __m256i dot4x8_i8(__m256i acc, __m256i wu, __m256i xb) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, wu, xb);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, wu, xb);
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+    return dot_u8s8(acc, wu, xb);
 #else
     const __m256i w = _mm256_xor_si256(wu, _mm256_set1_epi8((char)0x80));
     const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8(w, xb));
@@ -1411,16 +1423,19 @@ static void dequant_q8_0(const uint8_t *b, float *y) { /* 34 bytes -> 32 */
     for (int j = 0; j < 32; j++) y[j] = (float)q[j] * d;
 }
 
+/* Q4_K's four-bit value of element o of a block: sub-block g = o / 32 is nibble g % 2 of
+ * bytes 32 * (g / 2) .. of qs. */
+static inline int q4_k_value(const uint8_t *b, int o) {
+    return (b[16 + 32 * (o / 64) + o % 32] >> (4 * ((o / 32) % 2))) & 0x0F;
+}
+
 static void dequant_q4_k(const uint8_t *b, float *y) { /* 144 bytes -> 256 */
     float d = f16_to_f32(b), dmin = f16_to_f32(b + 2);
     uint8_t sc[8], mn[8];
     k_scale_min(b + 4, sc, mn);
-    const uint8_t *qs = b + 16;
-    for (int g = 0; g < 8; g++) { /* sub-block g: nibble g % 2 of bytes 32 * (g / 2) .. */
+    for (int g = 0; g < 8; g++) {
         float dg = d * (float)sc[g], mg = dmin * (float)mn[g];
-        const uint8_t *q = qs + 32 * (g / 2);
-        int shift = 4 * (g % 2);
-        for (int i = 0; i < 32; i++) y[32 * g + i] = dg * (float)((q[i] >> shift) & 0x0F) - mg;
+        for (int i = 0; i < 32; i++) y[32 * g + i] = dg * (float)q4_k_value(b, 32 * g + i) - mg;
     }
 }
 
@@ -1440,16 +1455,22 @@ static void dequant_q5_k(const uint8_t *b, float *y) { /* 176 bytes -> 256 */
     }
 }
 
-static void dequant_q6_k(const uint8_t *b, float *y) { /* 210 bytes -> 256 */
+/* Q6_K's six-bit value (0..63) of element o of a block: four low bits from ql, two high
+ * bits from qh. */
+static inline int q6_k_value(const uint8_t *b, int o) {
     const uint8_t *ql = b, *qh = b + 128;
+    int half = o / 128, r = o % 128;
+    int low = (ql[64 * half + r % 64] >> (4 * (r / 64))) & 0x0F;
+    int high = (qh[32 * half + r % 32] >> (2 * (r / 32))) & 0x03;
+    return low | (high << 4);
+}
+
+static void dequant_q6_k(const uint8_t *b, float *y) { /* 210 bytes -> 256 */
     const int8_t *scales = (const int8_t *)(b + 192);
     float d = f16_to_f32(b + 208);
     for (int o = 0; o < 256; o++) {
-        int half = o / 128, r = o % 128;
-        int low = (ql[64 * half + r % 64] >> (4 * (r / 64))) & 0x0F;
-        int high = (qh[32 * half + r % 32] >> (2 * (r / 32))) & 0x03;
         float ds = d * (float)scales[o / 16];
-        y[o] = ds * (float)((low | (high << 4)) - 32);
+        y[o] = ds * (float)(q6_k_value(b, o) - 32);
     }
 }
 
@@ -1523,23 +1544,16 @@ static void w4_decode_q4k(const uint8_t *b, float *d, float *dmin, uint8_t sc[8]
                           uint8_t mn[8], uint8_t q[256]) {
     *d = f16_to_f32(b), *dmin = f16_to_f32(b + 2);
     k_scale_min(b + 4, sc, mn);
-    for (int g = 0; g < 8; g++)
-        for (int i = 0; i < 32; i++) q[32 * g + i] = (b[16 + 32 * (g / 2) + i] >> (4 * (g % 2))) & 15;
+    for (int o = 0; o < 256; o++) q[o] = (uint8_t)q4_k_value(b, o);
 }
 
 static void w4_decode_q6k(const uint8_t *b, float *d, int8_t sc[16], uint8_t q[256]) {
-    const uint8_t *ql = b, *qh = b + 128;
-    for (int o = 0; o < 256; o++) {
-        int half = o / 128, r = o % 128;
-        int low = (ql[64 * half + r % 64] >> (4 * (r / 64))) & 0x0F;
-        int high = (qh[32 * half + r % 32] >> (2 * (r / 32))) & 0x03;
-        q[o] = (uint8_t)(low | (high << 4));
-    }
+    for (int o = 0; o < 256; o++) q[o] = (uint8_t)q6_k_value(b, o);
     memcpy(sc, b + 192, 16);
     *d = f16_to_f32(b + 208);
 }
 
-/* Byte offsets of k-in-block kk, column c in a block's lo / hi area, and the shifts. */
+/* Q4_K: the byte of k-in-block kk, column c in a block's lo area, and its nibble's shift. */
 static inline int w4_lo_at(int c, int kk) { return (kk / 8) * 32 + c * 4 + kk % 4; }
 static inline int w4_lo_shift(int kk) { return 4 * ((kk / 4) % 2); }
 /* Q6_K's byte of k-in-super-block kk, column c. */
@@ -1560,25 +1574,23 @@ LOOM_EXPORT int64_t loom_w4a8_pack(int64_t type, const uint8_t *raw, int64_t n, 
             for (int c = 0; c < COLS && g * COLS + c < n; c++) {
                 const uint8_t *b = raw + ((g * COLS + c) * nsb + s) * src_bytes;
                 uint8_t q[256];
-                float d, dmin = 0.0f;
-                uint8_t *lo;
+                float d;
                 if (type == W4_Q4K) {
                     uint8_t sc[8], mn[8];
+                    float dmin;
                     w4_decode_q4k(b, &d, &dmin, sc, mn, q);
                     memcpy(r + 32 + 4 * c, &dmin, 4);
                     for (int j = 0; j < 8; j++) r[64 + j * 8 + c] = sc[j], r[128 + j * 8 + c] = mn[j];
-                    lo = r + 192;
+                    for (int kk = 0; kk < 256; kk++)
+                        r[192 + (kk / 32) * 128 + w4_lo_at(c, kk % 32)] |=
+                            (uint8_t)(q[kk] << w4_lo_shift(kk % 32));
                 } else {
                     int8_t sc[16];
                     w4_decode_q6k(b, &d, sc, q);
                     for (int h = 0; h < 16; h++) r[32 + h * 8 + c] = (uint8_t)sc[h];
                     for (int kk = 0; kk < 256; kk++) r[160 + w4_byte_at(c, kk)] = q[kk];
-                    lo = NULL;
                 }
                 memcpy(r + 4 * c, &d, 4);
-                for (int kk = 0; lo && kk < 256; kk++)
-                    lo[(kk / 32) * 128 + w4_lo_at(c, kk % 32)] |=
-                        (uint8_t)((q[kk] & 15) << w4_lo_shift(kk % 32));
             }
         }
     return 0;
@@ -1661,20 +1673,6 @@ typedef struct {
 static void w4_linear_segments_body(const W4Segments *segs, const W4Act *a, int64_t m,
                                     int64_t k, const float *bias, float *y);
 
-/* acc + the exact int32 products of unsigned weights w (0..63) and signed activations xb,
- * four per lane. VNNI: one instruction; AVX2: u8 x s8 pairs in int16 (at most 2 * 63 * 127,
- * no saturation), then pairs of pairs. The same integers. */
-static inline __m256i dot_u8s8(__m256i acc, __m256i w, __m256i xb) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, w, xb);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, w, xb);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, xb),
-                                                   _mm256_set1_epi16(1)));
-#endif
-}
-
 static inline __m256i w4_x4(const W4Act *a, int64_t row, int64_t k, int64_t at) {
     int32_t v;
     memcpy(&v, a->xq + row * k + at, 4);
@@ -1699,7 +1697,7 @@ static inline __m256i w4_i8x8(const uint8_t *p) {
 #define W4_WIDE 0
 #endif
 /* Software prefetch distance over a group's records (the DRAM stream of a decode step). */
-#define W4_PREFETCH_RECORDS 8
+#define W4_PREFETCH_RECORDS 4
 
 /* y[r0 .. r0 + R, columns of groups g0 .. g0 + C] of one segment, as the arithmetic above
  * says; w: the segment's packed weight, n its columns, y0 the segment's first column in y
@@ -1708,7 +1706,7 @@ static inline __attribute__((always_inline)) void w4_tile(
     int64_t type, const W4Act *a, int64_t r0, int R, int64_t k, const uint8_t *w, int64_t g0,
     int C, int64_t n, const float *bias, float *y, int64_t ny, int prefetch) {
     const int64_t nsb = k / W4_SB, nb = k / QBLOCK, rec = w4_record_bytes(type);
-    const __m256i low4 = _mm256_set1_epi8(15), low2 = _mm256_set1_epi8(3);
+    const __m256i low4 = _mm256_set1_epi8(15);
     __m256 acc[W4_MAXR][W4_MAXC];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
@@ -1754,9 +1752,6 @@ static inline __attribute__((always_inline)) void w4_tile(
                  * (maddubs pairs, then madd by the column's scale: exact), the correction
                  * as one madd of the (sc_a, sc_b) pair by (X_a, X_b). */
                 __m256i iacc[W4_MAXR][W4_MAXC];
-#if !defined(__AVX512VNNI__) && !defined(__AVXVNNI__)
-                __m256i pair16[W4_MAXC];
-#endif
 #if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
                 /* VNNI: each half's plain sums (one instruction a step), then the scales. */
                 __m256i ihi[W4_MAXR][W4_MAXC], sc32[W4_MAXC][2];
@@ -1765,19 +1760,14 @@ static inline __attribute__((always_inline)) void w4_tile(
                     sc32[c][1] = w4_i8x8(rc[c] + 40 + 16 * j);
                 }
 #else
-                /* AVX2: the scales are the int16 multipliers of the pair sums. */
-                __m256i scale16[W4_MAXC][2];
+                /* AVX2: the scales are the int16 multipliers of the pair sums; pair16 holds
+                 * each column's (sc_a, sc_b) for the correction. */
+                __m256i scale16[W4_MAXC][2], pair16[W4_MAXC];
                 for (int c = 0; c < C; c++) {
                     const __m128i sa = _mm_loadl_epi64((const __m128i *)(rc[c] + 32 + 16 * j));
                     const __m128i sb = _mm_loadl_epi64((const __m128i *)(rc[c] + 40 + 16 * j));
                     scale16[c][0] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sa, sa));
                     scale16[c][1] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sb, sb));
-                }
-#endif
-#if !defined(__AVX512VNNI__) && !defined(__AVXVNNI__)
-                for (int c = 0; c < C; c++) {
-                    const __m128i sa = _mm_loadl_epi64((const __m128i *)(rc[c] + 32 + 16 * j));
-                    const __m128i sb = _mm_loadl_epi64((const __m128i *)(rc[c] + 40 + 16 * j));
                     pair16[c] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sa, sb));
                 }
 #endif
@@ -1840,9 +1830,9 @@ static inline __attribute__((always_inline)) void w4_tile(
     /* Q4_K's minimum terms, in their own pass over the blocks (in order): out of the main
      * loop's registers, which the products' accumulators need. */
     __m256 mins[W4_MAXR];
-    for (int c = 0; c < C; c++) {
+    for (int c = 0; type == W4_Q4K && c < C; c++) {
         for (int r = 0; r < R; r++) mins[r] = _mm256_setzero_ps();
-        for (int64_t s = 0; type == W4_Q4K && s < nsb; s++) {
+        for (int64_t s = 0; s < nsb; s++) {
             const uint8_t *rcs = w + ((g0 + c) * nsb + s) * rec;
             const __m256 dmin = _mm256_loadu_ps((const float *)(rcs + 32));
             for (int j = 0; j < 8; j++) {
@@ -1922,9 +1912,6 @@ static void w4_linear_segments_body(const W4Segments *segs, const W4Act *a, int6
 LOOM_EXPORT void loom_linear_w4a8(const float *x, int64_t m, int64_t k, int64_t nseg,
                                   const int64_t *types, const uint8_t *const *packed,
                                   const int64_t *ns, const float *bias, float *y) {
-    int64_t ny = 0;
-    for (int64_t i = 0; i < nseg; i++) ny += ns[i];
-    (void)ny;
     W4Segments segs; /* fields set one by one: a zeroing initialiser compiles to a 512-bit
                       * store on the AVX-512 build */
     segs.count = nseg < W4_MAX_SEGMENTS ? nseg : W4_MAX_SEGMENTS; /* the caller checks */

@@ -269,6 +269,12 @@ W4A8_MAX_SEGMENTS = 4  # W4_MAX_SEGMENTS in cpu_kernels.c
 W4A8_SUPER_BLOCK = 256
 
 
+def w4a8_packed_shape(type_id: int, n: int, k: int) -> tuple[int, int, int]:
+    """The packed layout's shape for a [n, k] tensor of `type_id`: (groups of 8 columns,
+    super-blocks of 256 k, record bytes)."""
+    return -(-n // W4A8_GROUP), k // W4A8_SUPER_BLOCK, W4A8_TYPES[type_id]
+
+
 def w4a8_pack(raw: torch.Tensor, type_id: int, n: int, k: int) -> torch.Tensor:
     """The file's blocks of a [n, k] Q4_K / Q6_K tensor (uint8, contiguous) repacked as the
     w4a8 kernel reads them: uint8 [ceil(n / 8), k / 256, record bytes]."""
@@ -276,11 +282,10 @@ def w4a8_pack(raw: torch.Tensor, type_id: int, n: int, k: int) -> torch.Tensor:
         raise ValueError(f"w4a8 packs GGUF types {sorted(W4A8_TYPES)} with k % 256 == 0, "
                          f"got type {type_id}, k = {k}")
     _check(raw, "raw", torch.uint8)
-    src_bytes = {12: 144, 14: 210}[type_id]
-    if raw.numel() != n * (k // W4A8_SUPER_BLOCK) * src_bytes:
+    block_bytes, block_values = GGUF_C_BLOCK_TYPES[type_id]
+    if raw.numel() != n * k // block_values * block_bytes:
         raise ValueError(f"{raw.numel()} bytes are not a [{n}, {k}] tensor of type {type_id}")
-    out = torch.zeros((-(-n // W4A8_GROUP), k // W4A8_SUPER_BLOCK, W4A8_TYPES[type_id]),
-                      dtype=torch.uint8)
+    out = torch.zeros(w4a8_packed_shape(type_id, n, k), dtype=torch.uint8)
     if _lib().loom_w4a8_pack(type_id, raw.data_ptr(), n, k, out.data_ptr()) != 0:
         raise ValueError(f"w4a8 cannot pack type {type_id}")
     return out
@@ -324,7 +329,7 @@ def linear_w4a8(x: torch.Tensor, segments: list[tuple[int, torch.Tensor, int]],
         raise ValueError(f"w4a8 takes 1 to {W4A8_MAX_SEGMENTS} segments, got {len(segments)}")
     for type_id, packed, cols in segments:
         _check(packed, "packed", torch.uint8)
-        want = (-(-cols // W4A8_GROUP), k // W4A8_SUPER_BLOCK, W4A8_TYPES.get(type_id, -1))
+        want = w4a8_packed_shape(type_id, cols, k) if type_id in W4A8_TYPES else None
         if tuple(packed.shape) != want:
             raise ValueError(f"packed weight {tuple(packed.shape)} is not type {type_id} "
                              f"[{cols}, {k}] (want {want})")

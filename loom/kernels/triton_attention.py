@@ -43,7 +43,7 @@ MAX_PARTS = 32
 
 
 @triton.jit
-def _tanh(x):
+def exp_tanh(x):
     # tanh from exp (no libdevice in the interpreter): saturates to +-1 as exp overflows.
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
@@ -116,7 +116,7 @@ def _attend_part(
         k = tl.load(k_ptr + kv_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
         if SOFTCAP:
-            s = softcap * _tanh(s / softcap)
+            s = softcap * exp_tanh(s / softcap)
         see = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
         if WINDOW:
             see = see & (kpos[None, :] > pos[:, None] - window)

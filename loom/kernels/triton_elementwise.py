@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from loom.kernels.triton_attention import exp_tanh
+
 # LOOM_TRITON_ELEMENTWISE=0 runs the torch definitions on CUDA instead (for comparisons).
 ENABLED = os.environ.get("LOOM_TRITON_ELEMENTWISE", "1") != "0"
 
@@ -109,12 +111,6 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, x_tok_stride, x_h
 
 
 @triton.jit
-def _tanh(x):
-    # tanh from exp (no libdevice in the interpreter): saturates to +-1 as exp overflows.
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-
-
-@triton.jit
 def _gated_act_kernel(x_ptr, out_ptr, width, x_stride, ACT: tl.constexpr,
                       BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -127,7 +123,7 @@ def _gated_act_kernel(x_ptr, out_ptr, width, x_stride, ACT: tl.constexpr,
         act = gate / (1.0 + tl.exp(-gate))
     else:
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        act = 0.5 * gate * (1.0 + _tanh(inner))
+        act = 0.5 * gate * (1.0 + exp_tanh(inner))
     y = (act.to(out_ty).to(tl.float32) * up).to(out_ty)
     tl.store(out_ptr + row * width + cols, y, mask=mask)
 

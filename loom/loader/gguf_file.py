@@ -114,6 +114,11 @@ def _unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def _qk_heads_key(hf_name: str) -> str:
+    """The config key of the head count a permuted q or k projection's rows follow."""
+    return "num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"
+
+
 def iter_gguf_weights(
     reader: GGUFFile, config: dict[str, Any], dtype: torch.dtype | None = None,
     select: WeightSelector | None = None, keep_blocks: BlocksHook | None = None,
@@ -122,9 +127,10 @@ def iter_gguf_weights(
     tensor `select` names a part of is yielded as that part; a part made of whole rows is
     read and dequantised alone (each row of a quantised tensor is its own blocks).
 
-    `keep_blocks(hf_name, type_id, raw)` receives, before its tensor is yielded, a copy of
-    every quantised 2-D tensor's file blocks as uint8 [rows, bytes per row], rows in the
-    order of the yielded tensor (q/k rows un-permuted as its values are). Where it returns
+    `keep_blocks(hf_name, type_id, blocks)` is offered every quantised 2-D tensor before it
+    is yielded; `blocks()` copies its file blocks as uint8 [rows, bytes per row], rows in the
+    order of the yielded tensor (q/k rows un-permuted as its values are), so a tensor the
+    hook does not keep is never copied. Where it returns
     True (the caller computes from the blocks and never reads the values) the tensor is
     yielded as uninitialised storage of its shape: no dequantising, and no memory until
     something writes it."""
@@ -139,11 +145,16 @@ def iter_gguf_weights(
             ("q_proj.weight", "k_proj.weight"))
         if keep_blocks is not None and len(tensor.shape) == 2 and raw.dtype == np.uint8 \
                 and tensor.qtype.name not in _FLOAT_TYPES:
-            rows = torch.from_numpy(np.array(raw, copy=True).reshape(tensor.shape[0], -1))
-            if permuted:
-                key = "num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"
-                rows = _unpermute_qk(rows, int(config[key])).contiguous()
-            if keep_blocks(hf_name, int(tensor.qtype), rows):
+
+            def blocks(raw: np.ndarray = raw, rows: int = int(tensor.shape[0]),
+                       heads: str | None = _qk_heads_key(hf_name) if permuted else None,
+                       ) -> torch.Tensor:
+                copy = torch.from_numpy(np.array(raw, copy=True).reshape(rows, -1))
+                if heads is None:
+                    return copy
+                return _unpermute_qk(copy, int(config[heads])).contiguous()
+
+            if keep_blocks(hf_name, int(tensor.qtype), blocks):
                 del raw
                 reader.release(tensor)
                 yield hf_name, torch.empty(tuple(tensor.shape), dtype=dtype or torch.float32)
@@ -160,8 +171,7 @@ def iter_gguf_weights(
         if arch in GGUF_NORM_PLUS_ONE and tensor.name.endswith("norm.weight"):
             w = w - 1.0
         if permuted:
-            key = "num_attention_heads" if "q_proj" in hf_name else "num_key_value_heads"
-            w = _unpermute_qk(w, int(config[key]))
+            w = _unpermute_qk(w, int(config[_qk_heads_key(hf_name)]))
         yield hf_name, _cast(w if rule is None else rule.apply(w), dtype)
 
 

@@ -10,10 +10,11 @@ from typing import Any, Literal
 import torch
 
 WeightIterator = Iterator[tuple[str, torch.Tensor]]
-# Told a quantised tensor's file blocks while it loads: (hf name, GGUF type id, uint8
-# [rows, bytes per row]); returns True where the values will never be read (computed from
-# the blocks), so the loader need not dequantise them.
-BlocksHook = Callable[[str, int, torch.Tensor], bool]
+# Offered each quantised 2-D tensor while it loads: (hf name, GGUF type id, a function that
+# returns a copy of its file blocks as uint8 [rows, bytes per row], called only by a hook
+# that keeps them); returns True where the values will never be read (computed from the
+# blocks), so the loader need not dequantise them.
+BlocksHook = Callable[[str, int, Callable[[], torch.Tensor]], bool]
 
 
 @dataclass(frozen=True)

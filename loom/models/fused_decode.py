@@ -30,6 +30,7 @@ from torch import nn
 from loom.attention import AttentionMetadata
 from loom.kernels import (
     KV_CACHE_KERNEL_DTYPES,
+    W4A8_MAX_SEGMENTS,
     cpu_kernels_available,
     load_library,
     use_cpu_kernels,
@@ -70,15 +71,11 @@ class _LayerDesc(ctypes.Structure):
     ]
 
 
-# At most this many segments per w4a8 layer (W4_MAX_SEGMENTS in cpu_kernels.c).
-_W4_MAX_SEGMENTS = 4
-
-
 class _W4Segments(ctypes.Structure):
     _fields_ = [
-        ("count", ctypes.c_int64), ("types", ctypes.c_int64 * _W4_MAX_SEGMENTS),
-        ("packed", ctypes.c_void_p * _W4_MAX_SEGMENTS),
-        ("columns", ctypes.c_int64 * _W4_MAX_SEGMENTS),
+        ("count", ctypes.c_int64), ("types", ctypes.c_int64 * W4A8_MAX_SEGMENTS),
+        ("packed", ctypes.c_void_p * W4A8_MAX_SEGMENTS),
+        ("columns", ctypes.c_int64 * W4A8_MAX_SEGMENTS),
     ]
 
 
@@ -98,7 +95,7 @@ def _f32(t: torch.Tensor | None, keep: list[Any]) -> int | None:
 def _linear(module: nn.Module | None, keep: list[Any]) -> _LinearDesc:
     if isinstance(module, W4A8Linear):
         segments = module.segments()
-        if len(segments) > _W4_MAX_SEGMENTS:
+        if len(segments) > W4A8_MAX_SEGMENTS:
             raise _Unsupported(f"w4a8 layer of {len(segments)} segments")
         desc = _W4Segments(len(segments))
         for i, (type_id, packed, columns) in enumerate(segments):

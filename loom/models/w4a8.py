@@ -4,10 +4,11 @@ A Q4_K_M file stores most matrices as Q4_K (4.5 bits a weight) and some as Q6_K 
 The w8a8 mode dequantises them and quantises again to 8 bits per weight, so decode reads
 almost twice the file's bytes. Here a layer keeps the file's integers and scales, repacked
 once for the kernel (`loom.kernels.w4a8_pack`: groups of 8 output columns, 4.75 bits a
-weight for Q4_K, 6.6 for Q6_K), and every call, a decode row or a prefill chunk of
-thousands, runs one arithmetic (`loom_linear_w4a8` in cpu_kernels.c): activations rounded
-to int8 per block of 32 as w8a8 rounds them, each block's products summed exactly in
-integers, the float scaling in one fixed order. A row's result is the same bits in any
+weight for Q4_K, 8.6 for Q6_K, whose six-bit values are kept one byte each), and every
+call, a decode row or a prefill chunk of thousands, runs one arithmetic
+(`loom_linear_w4a8` in cpu_kernels.c): activations rounded to int8 per block of 32 as w8a8
+rounds them, each block's products summed exactly in integers, the float scaling in one
+fixed order. A row's result is the same bits in any
 batch, chunk or kernel variant; the weights are the file's (no second quantisation).
 
 Stacked projections (q/k/v, gate/up) become one layer of several segments, each in its own
@@ -30,17 +31,16 @@ from loom.kernels import (
     use_cpu_kernels,
     w4a8_dequantize,
     w4a8_pack,
+    w4a8_packed_shape,
     w4a8_rows,
 )
+from loom.kernels.cpu_ops import W4A8_SUPER_BLOCK
 from loom.models.layers import stacked_bias
 from loom.models.quant import round_activations_q8
 
 # The attribute of an nn.Linear (or the embedding of a tied model) that holds its tensor's
 # file blocks while the model loads (set by the loader's `keep_blocks` hook).
 BLOCKS_ATTRIBUTE = "gguf_blocks"
-# Input widths are whole super-blocks.
-_SUPER_BLOCK = 256
-_GROUP = 8
 
 
 class GGUFBlocks(NamedTuple):
@@ -50,10 +50,11 @@ class GGUFBlocks(NamedTuple):
     raw: torch.Tensor
 
 
-def computable(blocks: GGUFBlocks | None, in_features: int) -> bool:
-    """Whether the w4a8 kernel computes a tensor stored as `blocks`."""
-    return (blocks is not None and blocks.type_id in W4A8_TYPES
-            and in_features % _SUPER_BLOCK == 0)
+def computable(blocks: GGUFBlocks | int | None, in_features: int) -> bool:
+    """Whether the w4a8 kernel computes a tensor of `in_features` columns stored as `blocks`
+    (or in the GGUF type of that id)."""
+    type_id = blocks.type_id if isinstance(blocks, GGUFBlocks) else blocks
+    return type_id in W4A8_TYPES and in_features % W4A8_SUPER_BLOCK == 0
 
 
 class W4A8Linear(nn.Module):
@@ -71,7 +72,7 @@ class W4A8Linear(nn.Module):
         self.columns = [c for _, c in parts]
         self.out_features = sum(self.columns)
         for i, (type_id, cols) in enumerate(parts):
-            shape = (-(-cols // _GROUP), in_features // _SUPER_BLOCK, W4A8_TYPES[type_id])
+            shape = w4a8_packed_shape(type_id, cols, in_features)
             tensor = packed[i] if packed is not None else torch.empty(
                 shape, dtype=torch.uint8, device="meta")
             if tuple(tensor.shape) != shape:
@@ -136,10 +137,9 @@ class W4A8Embedding(nn.Module):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.type_id = (
             num_embeddings, embedding_dim, type_id)
-        shape = (-(-num_embeddings // _GROUP), embedding_dim // _SUPER_BLOCK,
-                 W4A8_TYPES[type_id])
         self.register_buffer("packed", packed if packed is not None else torch.empty(
-            shape, dtype=torch.uint8, device="meta"))
+            w4a8_packed_shape(type_id, num_embeddings, embedding_dim), dtype=torch.uint8,
+            device="meta"))
 
     @classmethod
     def from_embedding(cls, embedding: nn.Module,

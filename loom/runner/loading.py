@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +129,7 @@ def _blocks_hook(built: list[CausalLM], kept: dict[str, int]) -> BlocksHook:
     on the module that owns the tensor (BLOCKS_ATTRIBUTE), until its layer is prepared;
     `kept` records each such module's block type (what a warm start's structure needs)."""
 
-    def keep(hf_name: str, type_id: int, raw: torch.Tensor) -> bool:
+    def keep(hf_name: str, type_id: int, blocks: Callable[[], torch.Tensor]) -> bool:
         if type_id not in W4A8_TYPES or not built:
             return False
         model = built[0]
@@ -136,11 +137,10 @@ def _blocks_hook(built: list[CausalLM], kept: dict[str, int]) -> BlocksHook:
         if name is None or not name.endswith(".weight"):
             return False
         owner_name = name.rpartition(".")[0]
-        blocks = GGUFBlocks(type_id, raw)
         owner = model.get_submodule(owner_name)
-        if not computable(blocks, int(owner.weight.shape[1])):
+        if not computable(type_id, int(owner.weight.shape[1])):
             return False
-        setattr(owner, BLOCKS_ATTRIBUTE, blocks)
+        setattr(owner, BLOCKS_ATTRIBUTE, GGUFBlocks(type_id, blocks()))
         kept[owner_name] = type_id
         # Every module that holds computable blocks is built from them, or (a stack with a
         # part the kernel cannot compute) has its values decoded from them (`_values_from_blocks`).
