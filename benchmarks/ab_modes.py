@@ -32,12 +32,21 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--env-b", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="environment set while the second engine loads (an A/B of a "
+                             "load-time switch; give the same mode twice)")
     args = parser.parse_args()
 
     from loom import LLM
 
-    engines = {mode: LLM(model=args.model, quantization=mode, enable_prefix_caching=False,
-                         kv_cache_dtype=args.kv_cache_dtype).engine for mode in args.modes}
+    names = list(args.modes)
+    if names[0] == names[1]:
+        names[1] += " " + " ".join(args.env_b)
+    engines = {}
+    for name, mode, env in zip(names, args.modes, ([], args.env_b), strict=True):
+        with c.environment(dict(item.split("=", 1) for item in env)):
+            engines[name] = LLM(model=args.model, quantization=mode, enable_prefix_caching=False,
+                                kv_cache_dtype=args.kv_cache_dtype).engine
     tokenizer = next(iter(engines.values())).tokenizer
     runners = {mode: loom_runner(engine) for mode, engine in engines.items()}
     rounds = []
@@ -45,15 +54,15 @@ def main() -> None:
         prompt = c.prompt_token_ids(tokenizer, args.prompt, seed=r)
         rounds.append({mode: run_once(runner, prompt, args.tokens)
                        for mode, runner in runners.items()})
-    a, b = args.modes
+    a, b = names
     result = {
         "command": c.command_line(), "machine": c.machine_info(), "model": args.model,
-        "modes": args.modes, "prompt": args.prompt, "tokens": args.tokens,
+        "modes": names, "env_b": args.env_b, "prompt": args.prompt, "tokens": args.tokens,
         "rounds": [{m: {"ttft_ms": round(t * 1e3), "decode_tok_s": round(d, 2)}
                     for m, (t, d) in rnd.items()} for rnd in rounds],
         "best": {m: {"ttft_ms": round(min(rnd[m][0] for rnd in rounds) * 1e3),
                      "decode_tok_s": round(max(rnd[m][1] for rnd in rounds), 2)}
-                 for m in args.modes},
+                 for m in names},
         f"decode {b} / {a} per round": [round(rnd[b][1] / rnd[a][1], 3) for rnd in rounds],
         f"ttft {a} / {b} per round": [round(rnd[a][0] / rnd[b][0], 3) for rnd in rounds],
     }

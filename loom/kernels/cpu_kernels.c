@@ -304,6 +304,10 @@ typedef struct {
     int64_t windows, parts;
     int64_t *unit_seq, *unit_t0, *unit_t1; /* per unit: sequence, token range [t0, t1) */
     int64_t *window_unit;                  /* [windows + 1]: units of window w */
+    /* [windows]: within window w its units of several tokens come first, those of one token
+     * (decode rows) from window_single[w] on */
+    int64_t *window_single;
+    int64_t *window_tok; /* [windows + 1]: window w holds query tokens [tok[w], tok[w + 1]) */
     float *merge; /* widest window's tokens x h x parts x (d + 2): each part's output, max, sum */
     float *local; /* per thread: scores, a key block's converted K rows, a part's V rows */
     int64_t local_floats;
@@ -319,10 +323,13 @@ static AttnPlan attn_plan(const int64_t *q_start, int64_t s, int64_t h, int64_t 
     int64_t units = 0;
     for (int64_t i = 0; i < s; i++)
         units += (q_start[i + 1] - q_start[i] + ATTN_UNIT - 1) / ATTN_UNIT;
-    p.unit_seq = (int64_t *)malloc((size_t)(3 * units + units + 2) * sizeof(int64_t));
+    /* units, and windows <= units */
+    p.unit_seq = (int64_t *)malloc((size_t)(3 * units + 3 * (units + 1)) * sizeof(int64_t));
     p.unit_t0 = p.unit_seq + units;
     p.unit_t1 = p.unit_t0 + units;
     p.window_unit = p.unit_t1 + units;
+    p.window_single = p.window_unit + units + 1;
+    p.window_tok = p.window_single + units + 1;
     int64_t u = 0, windows = 0, in_window = 0, widest = 0;
     p.window_unit[0] = 0;
     for (int64_t i = 0; i < s; i++)
@@ -338,6 +345,24 @@ static AttnPlan attn_plan(const int64_t *q_start, int64_t s, int64_t h, int64_t 
         }
     p.windows = units > 0 ? windows + 1 : 0;
     p.window_unit[p.windows] = units;
+    for (int64_t w = 0; w < p.windows; w++) p.window_tok[w] = p.unit_t0[p.window_unit[w]];
+    p.window_tok[p.windows] = units > 0 ? p.unit_t1[units - 1] : 0;
+    /* Order each window's units: several tokens first, then single ones (stable; a unit's
+     * merge slots follow from its tokens, not from its place). */
+    for (int64_t w = 0; w < p.windows; w++) {
+        int64_t at = p.window_unit[w];
+        for (int64_t v = at; v < p.window_unit[w + 1]; v++) {
+            if (p.unit_t1[v] - p.unit_t0[v] == 1) continue;
+            /* move unit v to slot `at` (at <= v): rotate [at, v] right by one */
+            const int64_t sq = p.unit_seq[v], t0 = p.unit_t0[v], t1 = p.unit_t1[v];
+            for (int64_t x = v; x > at; x--)
+                p.unit_seq[x] = p.unit_seq[x - 1], p.unit_t0[x] = p.unit_t0[x - 1],
+                p.unit_t1[x] = p.unit_t1[x - 1];
+            p.unit_seq[at] = sq, p.unit_t0[at] = t0, p.unit_t1[at] = t1;
+            at++;
+        }
+        p.window_single[w] = at;
+    }
     p.merge = (float *)malloc((size_t)(widest * per_token + 1) * sizeof(float));
     p.local_floats = ATTN_UNIT * ATTN_MAX_GROUP * ATTN_PART + (ATTN_PART + ATTN_KEY_BLOCK) * d;
     p.local = (float *)malloc((size_t)(omp_get_max_threads() * p.local_floats) * sizeof(float));
@@ -537,6 +562,105 @@ static inline __attribute__((always_inline)) void attend_part(
 #undef RES
 }
 
+/* attend_part for one query token (a decode row) and the kv heads [kva, kvb) at once, reading
+ * the cache position by position: a position's rows of those heads are adjacent in the cache
+ * ([.., block_size, kv_heads, head_dim]), so the part streams as contiguous runs instead of
+ * one 2-4 KB-strided row per (head, key), which left attend_part waiting on memory for most of
+ * a decode step at 512 tokens (5 GB/s of K/V on a 2-core EPYC). Every number is computed as
+ * attend_part computes it (the same dot, the same scaling and max, the same exp pass, each
+ * output element the same fma chain over the keys in order), so a token's result has the same
+ * bits whichever function computed it. Needs (kvb - kva) * group <= ATTN_ROWS_MAX_HEADS. */
+#define ATTN_ROWS_MAX_HEADS (ATTN_UNIT * ATTN_MAX_GROUP)
+static inline __attribute__((always_inline)) void attend_rows(
+    const float *qt, int64_t pos, int64_t len, const void *k_cache, const void *v_cache,
+    const int64_t *table, int64_t hkv, int64_t kva, int64_t kvb, int64_t group, int64_t d,
+    int64_t bs, int64_t window, float scale, float softcap, int64_t part, int64_t parts,
+    float *merge_row, float *local, int f16) {
+    const int64_t row_bytes = d * (f16 ? 2 : 4), slot_floats = d + 2;
+    const int64_t ha = kva * group, nh = (kvb - kva) * group;
+    const int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+    const int64_t k0 = lo / ATTN_PART * ATTN_PART + part * ATTN_PART;
+    const int64_t k_end = pos + 1 < len ? pos + 1 : len;
+    const int64_t k1 = k0 + ATTN_PART < k_end ? k0 + ATTN_PART : k_end;
+    const int64_t kv0 = k0 > lo ? k0 : lo, nk = k1 - k0;
+#define RES1(j) (merge_row + ((ha + (j)) * parts + part) * slot_floats)
+    for (int64_t j = 0; j < nh; j++) {
+        RES1(j)[d] = -INFINITY;
+        RES1(j)[d + 1] = 0.0f;
+    }
+    if (nk <= 0 || kv0 >= k1) return;
+    float *scores = local; /* [nh][ATTN_PART] */
+#define SC1(j) (scores + (j) * ATTN_PART)
+    for (int64_t j = 0; j < nh; j++)
+        for (int64_t p = k0; p < kv0; p++) SC1(j)[p - k0] = -INFINITY;
+    /* per key: the byte offset of head kva's row, the same in the K and the V cache */
+    int64_t at[ATTN_PART];
+    for (int64_t p = kv0; p < k1; p++)
+        at[p - k0] = ((table[p / bs] * bs + p % bs) * hkv + kva) * row_bytes;
+    const char *const kc = (const char *)k_cache, *const vc = (const char *)v_cache;
+    const int64_t run_bytes = (kvb - kva) * row_bytes;
+    /* Scores: every key of the part is visible to the one query (kv0 is past the window's
+     * start, k1 past no position beyond it). */
+    for (int64_t p = kv0; p < k1; p++) {
+        if (p + 4 < k1) prefetch_bytes(kc + at[p + 4 - k0], run_bytes);
+        float dots[ATTN_MAX_GROUP];
+        for (int64_t kvh = 0; kvh < kvb - kva; kvh++)
+            for (int64_t g0 = 0; g0 < group; g0 += ATTN_MAX_GROUP) {
+                const int64_t ng = group - g0 < ATTN_MAX_GROUP ? group - g0 : ATTN_MAX_GROUP;
+                dots_shared_key(qt + (ha + kvh * group + g0) * d, ng,
+                                kc + at[p - k0] + kvh * row_bytes, d, f16, dots);
+                for (int64_t g = 0; g < ng; g++) {
+                    const int64_t j = kvh * group + g0 + g;
+                    float sc = dots[g] * scale;
+                    if (softcap > 0.0f) sc = softcap * tanhf(sc / softcap);
+                    SC1(j)[p - k0] = sc;
+                    if (sc > RES1(j)[d]) RES1(j)[d] = sc;
+                }
+            }
+    }
+    const int64_t nk8 = (nk + 7) / 8 * 8;
+    for (int64_t j = 0; j < nh; j++) {
+        float *sl = SC1(j);
+        const float mx = RES1(j)[d];
+        memset(RES1(j), 0, (size_t)d * sizeof(float)); /* the value pass accumulates here */
+        if (mx == -INFINITY) { /* no finite score: zero weights, as attend_part gives them */
+            memset(sl, 0, (size_t)nk * sizeof(float));
+            continue;
+        }
+        for (int64_t p = nk; p < nk8; p++) sl[p] = -INFINITY;
+        const __m256 vmx = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-INFINITY);
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t p = 0; p < nk8; p += 8) {
+            const __m256 s8 = _mm256_loadu_ps(sl + p);
+            const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(s8, vmx)),
+                                           _mm256_cmp_ps(s8, ninf, _CMP_NEQ_OQ));
+            _mm256_storeu_ps(sl + p, e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        RES1(j)[d + 1] = hsum256(acc);
+    }
+    /* Values: each output element one fma chain over the keys in order, from zero. */
+    for (int64_t p = kv0; p < k1; p++) {
+        const char *vrow = vc + at[p - k0];
+        if (p + 4 < k1) prefetch_bytes(vc + at[p + 4 - k0], run_bytes);
+        for (int64_t kvh = 0; kvh < kvb - kva; kvh++) {
+            const void *v = vrow + kvh * row_bytes;
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t j = kvh * group + g;
+                const __m256 w = _mm256_broadcast_ss(SC1(j) + (p - k0));
+                float *o = RES1(j);
+                int64_t c = 0;
+                for (; c + 8 <= d; c += 8)
+                    _mm256_storeu_ps(o + c, _mm256_fmadd_ps(w, load_kv8(v, c, f16),
+                                                            _mm256_loadu_ps(o + c)));
+                for (; c < d; c++) o[c] = fmaf(SC1(j)[p - k0], load_kv1(v, c, f16), o[c]);
+            }
+        }
+    }
+#undef SC1
+#undef RES1
+}
+
 /* Causal attention of a step's new tokens over their sequences' paged caches (no gathered
  * copy of the context), for any number of tokens: decode rows and prefill chunks alike.
  * Sequence i owns query tokens [q_start[i], q_start[i + 1]) of q, the last chunk of its
@@ -561,9 +685,10 @@ static inline __attribute__((always_inline)) void attention_body_t(
     float *local = plan->local + omp_get_thread_num() * plan->local_floats;
     for (int64_t w = 0; w < plan->windows; w++) {
         const int64_t u0 = plan->window_unit[w], u1 = plan->window_unit[w + 1];
-        const int64_t tok0 = plan->unit_t0[u0], tok1 = plan->unit_t1[u1 - 1];
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < (u1 - u0) * hkv * gslices * parts; task++) {
+        const int64_t tok0 = plan->window_tok[w], tok1 = plan->window_tok[w + 1];
+        const int64_t us = plan->window_single[w];
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t task = 0; task < (us - u0) * hkv * gslices * parts; task++) {
             const int64_t part = task % parts;
             const int64_t slice = (task / parts) % gslices;
             const int64_t kvh = (task / parts / gslices) % hkv;
@@ -578,6 +703,44 @@ static inline __attribute__((always_inline)) void attention_body_t(
                         block_tables + seq * max_blocks, h, hkv, kvh, h0, ng, d, bs, window,
                         scale, softcap, part, parts,
                         plan->merge + (ta - tok0) * h * parts * slot_floats, local, f16);
+        }
+        /* Decode rows: (row, slice of kv heads, part), the slices as wide as the threads
+         * leave them (a position's rows of a slice are one contiguous run). */
+        const int64_t threads = omp_get_num_threads();
+        int64_t per_slice = hkv * parts >= 2 * threads
+                                ? hkv / ((2 * threads + parts - 1) / parts) : 1;
+        per_slice = per_slice < 1 ? 1 : per_slice;
+        while (per_slice > 1 && per_slice * group > ATTN_ROWS_MAX_HEADS) per_slice--;
+        const int64_t rslices = (hkv + per_slice - 1) / per_slice;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < (u1 - us) * rslices * parts; task++) {
+            const int64_t part = task % parts;
+            const int64_t rs = (task / parts) % rslices;
+            const int64_t u = us + task / parts / rslices;
+            const int64_t seq = plan->unit_seq[u], ta = plan->unit_t0[u];
+            const int64_t len = seq_lens[seq];
+            const int64_t pos = len - (q_start[seq + 1] - q_start[seq]) + (ta - q_start[seq]);
+            float *merge_row = plan->merge + (ta - tok0) * h * parts * slot_floats;
+            const int64_t kva = rs * per_slice;
+            const int64_t kvb = kva + per_slice < hkv ? kva + per_slice : hkv;
+            /* Head by head where rows gain nothing (one kv head: its keys are adjacent
+             * anyway, and attend_part keeps its sums in registers) or cannot run (a group too
+             * wide for one pass). */
+            if (hkv == 1 || group > ATTN_ROWS_MAX_HEADS) {
+                for (int64_t kvh = kva; kvh < kvb; kvh++)
+                    for (int64_t slice = 0; slice < gslices; slice++) {
+                        const int64_t h0 = kvh * group + slice * ATTN_MAX_GROUP;
+                        const int64_t ng = group - slice * ATTN_MAX_GROUP < ATTN_MAX_GROUP
+                                               ? group - slice * ATTN_MAX_GROUP : ATTN_MAX_GROUP;
+                        attend_part(q, ta, ta + 1, pos, len, k_cache, v_cache,
+                                    block_tables + seq * max_blocks, h, hkv, kvh, h0, ng, d, bs,
+                                    window, scale, softcap, part, parts, merge_row, local, f16);
+                    }
+                continue;
+            }
+            attend_rows(q + ta * h * d, pos, len, k_cache, v_cache,
+                        block_tables + seq * max_blocks, hkv, kva, kvb, group, d, bs, window,
+                        scale, softcap, part, parts, merge_row, local, f16);
         }
         /* Phase 2: merge the parts of every (query token, head), in part order. */
 #pragma omp for schedule(static)

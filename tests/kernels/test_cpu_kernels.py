@@ -240,22 +240,31 @@ def test_paged_attention_chunks_are_causal(window: int | None, cache_dtype: torc
 
 @pytest.mark.parametrize("window", [None, 100, 200])
 @pytest.mark.parametrize("length", [46, 130, 300])
+@pytest.mark.parametrize(("kv_heads", "group", "ql", "cache_dtype", "softcap"), [
+    (1, 4, 6, torch.float16, None),
+    (8, 1, 17, torch.float32, None),  # a chunk's last unit is a single token
+    (3, 2, 17, torch.float16, 20.0),
+    (2, 9, 3, torch.float16, None),  # a group wider than one pass of 8 heads
+])
 def test_paged_attention_of_a_position_is_the_same_alone_or_in_a_chunk(
-    window: int | None, length: int
+    window: int | None, length: int, kv_heads: int, group: int, ql: int,
+    cache_dtype: torch.dtype, softcap: float | None,
 ) -> None:
     """Bit-identical, not just close: speculative decoding relies on it (a verified draft's
-    row must equal what plain decoding computes for that position)."""
+    row must equal what plain decoding computes for that position). A decode row is computed
+    position-major over several kv heads (`attend_rows`), a chunk's units head by head
+    (`attend_part`): the same numbers."""
     g = torch.Generator().manual_seed(9)
-    block, heads, kv_heads, dim, ql = 16, 4, 1, 32, 6
-    cache = torch.randn(2, 24, block, kv_heads, dim, generator=g).to(torch.float16)
+    block, heads, dim = 16, kv_heads * group, 32
+    cache = torch.randn(2, 24, block, kv_heads, dim, generator=g).to(cache_dtype)
     tables = torch.arange(23, -1, -1).view(1, -1)
     q = torch.randn(ql, heads, dim, generator=g)
     chunk = paged_attention(q, torch.tensor([0, ql]), cache, tables, torch.tensor([length]),
-                            length, 0.2, window, None)
+                            length, 0.2, window, softcap)
     for t in range(ql):
         pos_len = length - ql + 1 + t
         alone = paged_attention(q[t : t + 1], torch.tensor([0, 1]), cache, tables,
-                                torch.tensor([pos_len]), pos_len, 0.2, window, None)
+                                torch.tensor([pos_len]), pos_len, 0.2, window, softcap)
         assert torch.equal(alone[0], chunk[t]), (t, pos_len)
 
 
@@ -284,6 +293,29 @@ def test_paged_attention_of_a_long_chunk_is_the_same_alone_batched_or_in_windows
     decode = paged_attention(q[ql:], torch.tensor([0, 1]), cache, tables[1:],
                              torch.tensor([other]), other, 0.2, window, None)
     assert torch.equal(decode[0], batched[ql])
+
+
+@pytest.mark.parametrize("max_len", [None, 10**7])
+def test_paged_attention_of_decode_rows_around_a_chunk(max_len: int | None) -> None:
+    """Decode rows before, between and after prefill chunks in one call (the kernel attends a
+    window's chunks first, then its decode rows): every row is bit-identical to its position
+    computed alone; a huge max_len bound splits the call into windows of one unit."""
+    g = torch.Generator().manual_seed(11)
+    block, kv_heads, group, dim = 16, 4, 2, 32
+    cache = torch.randn(2, 96, block, kv_heads, dim, generator=g).to(torch.float16)
+    tables = torch.stack([torch.randperm(96, generator=g)[:24] for _ in range(4)])
+    q_lens, lens = [1, 17, 1, 20], [200, 150, 33, 300]
+    starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    q = torch.randn(sum(q_lens), kv_heads * group, dim, generator=g)
+    out = paged_attention(q, starts, cache, tables, torch.tensor(lens), max_len or max(lens),
+                          0.2, None, None)
+    for i, (ql, length) in enumerate(zip(q_lens, lens, strict=True)):
+        for t in range(ql):
+            row, pos_len = starts[i].item() + t, length - ql + 1 + t
+            alone = paged_attention(q[row : row + 1], torch.tensor([0, 1]), cache,
+                                    tables[i : i + 1], torch.tensor([pos_len]), pos_len, 0.2,
+                                    None, None)
+            assert torch.equal(alone[0], out[row]), (i, t)
 
 
 def test_paged_attention_rejects_other_cache_dtypes() -> None:

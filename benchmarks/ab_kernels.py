@@ -1,0 +1,175 @@
+"""Two builds of Loom's CPU kernels on one operation, alternating in one process.
+
+A kernel change is judged against the source it replaces: both versions of
+`loom/kernels/cpu_kernels.c` (a git revision and the working tree, or two files) are compiled
+with the flags Loom uses, loaded side by side, and called in turns on the same inputs, so a
+noisy host's drift hits both. The outputs are compared bit for bit first. Prints one JSON
+object: best time per call of each build, streaming from memory (a fresh copy per call,
+as a decode step's weights or a real model's per-layer caches are) and hot in the caches.
+
+    python benchmarks/ab_kernels.py --base HEAD attention --context 512 --kv-heads 32 --heads 32
+    python benchmarks/ab_kernels.py --base HEAD w4a8 --rows 1 --n 16384 --k 2048 --type 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import common as c
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from loom.kernels.build import (  # noqa: E402
+    BASE_FLAGS,
+    SIGNATURES,
+    runnable_variants,
+    variant_named,
+)
+from loom.kernels.cpu_ops import w4a8_pack  # noqa: E402
+
+SOURCE = "loom/kernels/cpu_kernels.c"
+
+
+def source_of(spec: str, folder: Path, name: str) -> Path:
+    """`spec`: a file path, "WORKTREE", or a git revision whose kernel source is used."""
+    if spec == "WORKTREE":
+        return ROOT / SOURCE
+    if Path(spec).is_file():
+        return Path(spec)
+    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{spec}:{SOURCE}"], check=True,
+                          capture_output=True, text=True).stdout
+    path = folder / f"{name}.c"
+    path.write_text(text)
+    return path
+
+
+def build(source: Path, variant: str, out: Path) -> ctypes.CDLL:
+    """Compile `source` as Loom compiles that variant and load it, typed."""
+    flags = (*BASE_FLAGS, *variant_named(variant).flags)
+    subprocess.run(["gcc", *flags, str(source), "-o", str(out), "-lm"], check=True)
+    lib = ctypes.CDLL(str(out))
+    for name, argtypes in SIGNATURES.items():
+        function = getattr(lib, name, None)
+        if function is not None:
+            function.argtypes = argtypes
+    return lib
+
+
+def attention_case(args: argparse.Namespace) -> tuple[Callable[[Any, int], torch.Tensor], int,
+                                                          float]:
+    """One decode row over `--context` tokens in each of `--layers` caches (float16)."""
+    ctx, hkv, h, d, bs = args.context, args.kv_heads, args.heads, args.head_dim, 16
+    blocks = max(64, 2 * ctx // bs)
+    g = torch.Generator().manual_seed(0)
+    caches = [torch.randn((2, blocks, bs, hkv, d), generator=g).to(torch.float16)
+              for _ in range(args.layers)]
+    nb = -(-ctx // bs)
+    table = torch.randperm(blocks, generator=g)[:nb].view(1, -1).to(torch.int64).contiguous()
+    q = torch.randn(1, h, d, generator=g)
+    starts, lens = torch.tensor([0, 1]), torch.tensor([ctx])
+    out = torch.empty(1, h, d)
+
+    def call(lib: Any, i: int) -> torch.Tensor:
+        cache = caches[i]
+        lib.loom_paged_attention(q.data_ptr(), starts.data_ptr(), cache[0].data_ptr(),
+                                 cache[1].data_ptr(), table.data_ptr(), nb, lens.data_ptr(), 1,
+                                 h, hkv, d, bs, 0, d ** -0.5, 0.0, ctx, out.data_ptr(), 1)
+        return out
+
+    return call, len(caches), 2 * ctx * hkv * d * 2
+
+
+def w4a8_case(args: argparse.Namespace) -> tuple[Callable[[Any, int], torch.Tensor], int,
+                                                     float]:
+    """`--rows` rows times a random [n, k] Q4_K (12) or Q6_K (14) matrix, packed for w4a8."""
+    n, k, type_id, m = args.n, args.k, args.type, args.rows
+    g = torch.Generator().manual_seed(0)
+    block_bytes = {12: 144, 14: 210}[type_id]
+    copies = max(1, 200_000_000 // (n * k))
+    weights = []
+    for _ in range(copies):
+        raw = torch.randint(0, 256, (n * k // 256, block_bytes), dtype=torch.uint8, generator=g)
+        if type_id == 12:  # d, dmin: small normal float16 values (no NaN or subnormal)
+            raw[:, 0:4] = torch.tensor([0, 0x1C, 0, 0x1C], dtype=torch.uint8)
+        else:
+            raw[:, 208:210] = torch.tensor([0, 0x1C], dtype=torch.uint8)
+        weights.append(w4a8_pack(raw.reshape(-1), type_id, n, k))
+    x = torch.randn(m, k, generator=g)
+    y = torch.empty(m, n)
+    types, columns = (ctypes.c_int64 * 1)(type_id), (ctypes.c_int64 * 1)(n)
+    pointers = [(ctypes.c_void_p * 1)(w.data_ptr()) for w in weights]
+
+    def call(lib: Any, i: int) -> torch.Tensor:
+        lib.loom_linear_w4a8(x.data_ptr(), m, k, 1, types, pointers[i], columns, None,
+                             y.data_ptr())
+        return y
+
+    return call, copies, weights[0].numel()
+
+
+def main() -> None:
+    """Parse the arguments, build both sources, alternate them, print the JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", default="HEAD", help="git revision or file (A)")
+    parser.add_argument("--new", default="WORKTREE", help="git revision, file or WORKTREE (B)")
+    parser.add_argument("--variant", default=None, help="kernel variant (default: widest here)")
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=None)
+    sub = parser.add_subparsers(dest="op", required=True)
+    attention = sub.add_parser("attention", help="a decode row's paged attention")
+    attention.add_argument("--context", type=int, default=512)
+    attention.add_argument("--kv-heads", type=int, default=32)
+    attention.add_argument("--heads", type=int, default=32)
+    attention.add_argument("--head-dim", type=int, default=64)
+    attention.add_argument("--layers", type=int, default=24)
+    w4a8 = sub.add_parser("w4a8", help="a w4a8 linear layer")
+    w4a8.add_argument("--rows", type=int, default=1)
+    w4a8.add_argument("--n", type=int, default=16384)
+    w4a8.add_argument("--k", type=int, default=2048)
+    w4a8.add_argument("--type", type=int, default=12, choices=[12, 14])
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    variant = args.variant or runnable_variants()[0]
+    call, copies, nbytes = (attention_case if args.op == "attention" else w4a8_case)(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        libs = [build(source_of(spec, folder, name), variant, folder / f"{name}.so")
+                for name, spec in (("base", args.base), ("new", args.new))]
+        outputs = [call(lib, 0).clone() for lib in libs]
+        stream, hot = [float("inf")] * 2, [float("inf")] * 2
+        for _ in range(args.rounds):
+            for i, lib in enumerate(libs):
+                start = time.perf_counter()
+                for j in range(copies):
+                    call(lib, j)
+                stream[i] = min(stream[i], (time.perf_counter() - start) / copies)
+                start = time.perf_counter()
+                for _ in range(10):
+                    call(lib, 0)
+                hot[i] = min(hot[i], (time.perf_counter() - start) / 10)
+    result = {
+        "command": c.command_line(), "machine": c.machine_info(), "variant": variant,
+        "op": vars(args), "same_bits": bool(torch.equal(outputs[0], outputs[1])),
+        "bytes_per_call": nbytes,
+        **{name: {"stream_ms": round(stream[i] * 1e3, 3), "hot_ms": round(hot[i] * 1e3, 3),
+                  "stream_gb_s": round(nbytes / stream[i] / 1e9, 2)}
+           for i, name in enumerate(("base", "new"))},
+        "stream new / base speed": round(stream[0] / stream[1], 3),
+    }
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
