@@ -54,6 +54,7 @@ class Scheduler:
         self.idle: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         self.num_recomputed_tokens = 0
+        self.num_computed_tokens = 0  # every position the model computed, drafts included
         self.num_preemptions = 0
         self.external = ExternalKV(connector, self.kv) if connector is not None else None
 
@@ -365,6 +366,7 @@ class Scheduler:
         it was to load failed; a load that failed while being planned,
         `out.failed_load_plans`, fails whole for its own reason)."""
         self.num_recomputed_tokens += out.num_recomputed_tokens
+        self.num_computed_tokens += sum(len(chunk.token_ids) for chunk in out.chunks)
         if self.external is not None:
             self.external.num_gap_tokens += out.num_gap_tokens
         for request_id in out.loading_request_ids:

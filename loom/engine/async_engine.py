@@ -194,6 +194,21 @@ class AsyncLLMEngine:
             if created:
                 self._adding.discard(request_id)
 
+    async def fork_session(self, request_id: str, new_id: str, num_tokens: int | None = None,
+                           **kwargs: Any) -> int:
+        """Open session `new_id` from a paused session's first tokens, sharing its blocks
+        (see `LLMEngine.fork_session`); returns the tokens whose K/V it shares."""
+        created = new_id not in self._queues
+        if created:
+            self._queues[new_id] = asyncio.Queue()
+        try:
+            return await self._call(self.engine.fork_session, request_id, new_id, num_tokens,
+                                    **kwargs)
+        except LoomError:
+            if created:
+                self._queues.pop(new_id, None)
+            raise
+
     async def step(self) -> list[RequestOutput]:
         """The outputs of the next engine step."""
         fut: asyncio.Future[list[RequestOutput]] = asyncio.get_running_loop().create_future()

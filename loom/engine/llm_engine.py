@@ -238,6 +238,13 @@ class LLMEngine:
         """Drop a paused session's last `num_tokens` tokens (see `SessionManager.rewind`)."""
         self.sessions.rewind(request_id, num_tokens)
 
+    def fork_session(self, request_id: str, new_id: str, num_tokens: int | None = None, *,
+                     pin: bool = False, ttl_s: float | None = None) -> int:
+        """Open session `new_id` continuing the paused session `request_id` from its first
+        `num_tokens` tokens, sharing its blocks copy-on-write (see `SessionManager.fork`);
+        returns the tokens whose K/V it shares."""
+        return self.sessions.fork(request_id, new_id, num_tokens, pin=pin, ttl_s=ttl_s)
+
     def get_session(self, request_id: str) -> SessionView:
         """A read-only view of a session."""
         return self.sessions.get_session(request_id)
@@ -272,6 +279,7 @@ class LLMEngine:
             num_steps=self.core.num_steps,
             num_preemptions=self.scheduler.num_preemptions,
             num_recomputed_tokens=self.scheduler.num_recomputed_tokens,
+            num_computed_tokens=self.scheduler.num_computed_tokens,
             num_kv_blocks=kv.pool.num_blocks,
             num_free_kv_blocks=kv.num_free_blocks,
             num_cached_kv_blocks=kv.pool.num_cached_blocks,

@@ -274,6 +274,42 @@ class SequenceTable:
         self.scheduler.add_request(request)
         return child_id
 
+    def fork_session(self, parent: SequenceState, new_id: str, num_tokens: int,
+                     num_shared: int, *, pin: bool = False, ttl_s: float | None = None) -> bool:
+        """A new session `new_id` (its own group) holding the first `num_tokens` tokens of the
+        paused session `parent`, sharing the K/V of its first `num_shared` (<= the parent's
+        computed tokens, < num_tokens) copy-on-write; the rest is computed by the next steps,
+        after which it pauses with its last logits stored. False (nothing changed) when the
+        pool has no block for the copy of a partial block."""
+        self.check_new_id(new_id)
+        if not self.scheduler.kv.fork(parent.request_id, new_id, num_shared):
+            return False
+        tokens = list(parent.request.token_ids[:num_tokens])
+        request = Request(new_id, tokens, num_computed_tokens=num_shared,
+                          max_computed_tokens=num_shared, pinned=pin)
+        params = parent.params
+        seq = SequenceState(
+            request=request,
+            params=params,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, tokens, skip_special_tokens=params.skip_special_tokens
+            ),
+            group_id=new_id,
+            is_session=True,
+            ttl_s=ttl_s,
+            prompt_ids=tokens,
+        )
+        seq.start_segment(params, self.device)
+        self.start_segment(seq, None)  # paused once its tokens are computed
+        if parent.grammar is not None:  # the document as far as the copy goes
+            seq.grammar = parent.grammar.copy()
+            seq.grammar.cut(num_tokens)
+        self._seqs[new_id] = seq
+        self._groups[new_id] = [new_id]
+        self._ended.pop(new_id, None)
+        self.scheduler.add_request(request)
+        return True
+
     def unblock(self, seq_id: str, token_ids: list[int] | None) -> None:
         """Append a blocked sequence's result (they are all it prefills) and let it go on.
 

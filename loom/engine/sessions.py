@@ -208,6 +208,29 @@ class SessionManager:
         request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
         self.scheduler.wake(request)
 
+    def fork(self, request_id: str, new_id: str, num_tokens: int | None = None, *,
+             pin: bool = False, ttl_s: float | None = None) -> int:
+        """Open session `new_id` as a copy of the paused session `request_id` cut to its
+        first `num_tokens` tokens (default: all), sharing its blocks copy-on-write: neither
+        changes the other afterwards. The copy recomputes at least its last token (to store
+        its logits; more only where the parent had not computed them) and then pauses.
+        Returns the number of tokens whose K/V it shares. A pool without a block to spare
+        for the copy of a partial block is an `InvalidRequestError` (nothing changed)."""
+        seq = self._session(request_id)
+        self._require_paused(seq, "fork")
+        total = seq.request.num_tokens
+        keep = total if num_tokens is None else num_tokens
+        if not 1 <= keep <= total:
+            raise InvalidRequestError(
+                f"session {request_id!r}: a fork keeps 1..{total} tokens, not {keep}")
+        if ttl_s is not None and not ttl_s > 0:
+            raise InvalidRequestError(f"session {new_id!r}: ttl_s must be > 0, got {ttl_s}")
+        shared = min(seq.request.num_computed_tokens, keep - 1)
+        if not self.table.fork_session(seq, new_id, keep, shared, pin=pin, ttl_s=ttl_s):
+            raise InvalidRequestError(
+                f"session {request_id!r}: no free KV block for the fork {new_id!r}")
+        return shared
+
     def get_session(self, request_id: str) -> SessionView:
         """A read-only view of the session's tokens, text, frontier, status and blocks."""
         seq = self._session(request_id)

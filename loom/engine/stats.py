@@ -17,6 +17,7 @@ class EngineStats:
     num_steps: int
     num_preemptions: int
     num_recomputed_tokens: int
+    num_computed_tokens: int  # positions the model computed (prompts, fragments, decodes)
     num_kv_blocks: int
     num_free_kv_blocks: int
     num_cached_kv_blocks: int

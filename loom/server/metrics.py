@@ -154,6 +154,8 @@ class EngineCollector(Collector):
             ("c", "num_preemptions", "Preemptions since start.", s.num_preemptions),
             ("c", "num_recomputed_tokens", "Tokens computed a second time.",
              s.num_recomputed_tokens),
+            ("c", "num_computed_tokens", "Token positions the model computed.",
+             s.num_computed_tokens),
             ("c", "num_engine_steps", "Engine steps that ran a forward pass.", s.num_steps),
         ]  # fmt: skip
         if self.prefix_caching:
