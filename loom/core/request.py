@@ -88,6 +88,9 @@ class Request:
     hash_block_size: int = 0
     # Tokens up to which prefix-cache queries were counted (hit-rate statistics).
     num_cache_queried_tokens: int = 0
+    # Tokens whose K/V this request took from the prefix cache or from the session it was
+    # forked from instead of computing them.
+    num_cached_tokens: int = 0
     # K/V already in the request's blocks above the frontier (loaded from an external store):
     # sorted, disjoint [start, end) ranges. The uncomputed tokens between them are the gaps;
     # the frontier jumps over a ready range when it reaches its start.

@@ -285,6 +285,7 @@ class Scheduler:
             return False
         self.kv.count_query(request)
         if cached:
+            request.num_cached_tokens += start - request.num_computed_tokens
             request.advance_frontier(start)
         return True
 

@@ -286,7 +286,8 @@ class SequenceTable:
             return False
         tokens = list(parent.request.token_ids[:num_tokens])
         request = Request(new_id, tokens, num_computed_tokens=num_shared,
-                          max_computed_tokens=num_shared, pinned=pin)
+                          max_computed_tokens=num_shared, pinned=pin,
+                          num_cached_tokens=num_shared)
         params = parent.params
         seq = SequenceState(
             request=request,

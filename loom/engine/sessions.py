@@ -55,6 +55,8 @@ class SessionView:
     generating: bool
     pinned: bool
     has_logits: bool = False  # the last position's logits are stored (resample can draw)
+    # Tokens whose K/V came from the prefix cache or a forked session, not computed here.
+    num_cached_tokens: int = 0
 
 
 class SessionManager:
@@ -246,6 +248,7 @@ class SessionManager:
             generating=seq.generating,
             pinned=request.pinned,
             has_logits=seq.last_logits is not None,
+            num_cached_tokens=request.num_cached_tokens,
         )
 
     def close(self, request_id: str) -> None:

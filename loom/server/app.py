@@ -10,9 +10,10 @@ from fastapi.responses import JSONResponse, Response
 
 import loom
 from loom.engine.async_engine import AsyncLLMEngine
-from loom.server import openai_routes, session_routes
+from loom.server import openai_routes, response_routes, session_routes
 from loom.server.errors import install_error_handlers
 from loom.server.limits import BodySizeLimit, JSONBodies
+from loom.server.response_service import ResponseService
 from loom.server.state import ServerConfig, ServerState
 from loom.tokenizer import ChatTemplate
 
@@ -37,10 +38,13 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         description="OpenAI-compatible API of the Loom inference engine, with live sessions.",
     )
     app.state.loom = state
+    app.state.responses = ResponseService(state, config.response_ttl_s,
+                                          config.max_stored_responses)
     engine.on_ended.append(lambda request_id: state.session_owners.pop(request_id, None))
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(session_routes.router)
+    app.include_router(response_routes.router)
 
     @app.get("/health")
     async def health() -> Response:

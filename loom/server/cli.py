@@ -108,6 +108,11 @@ def add_serve_parser(sub: Any) -> None:
                         help="token that forks a child sharing the KV (<promise>)")
     server.add_argument("--sync-token", default=None,
                         help="token that waits for the children and joins them (<sync>)")
+    server.add_argument("--response-ttl-s", type=float, default=3600.0,
+                        help="a stored response's session closes after this long idle (its "
+                             "conversation stays continuable, recomputed); 0: never")
+    server.add_argument("--max-stored-responses", type=int, default=10_000,
+                        help="responses kept for previous_response_id (oldest go first)")
     server.add_argument("--log-level", default="info")
     add_engine_args(serve)
     serve.set_defaults(model=SERVE_DEFAULT_MODEL)
@@ -127,6 +132,8 @@ def server_config_from(namespace: argparse.Namespace, env_api_keys: str = "") ->
         max_request_body_bytes=namespace.max_request_body_bytes,
         max_tokens_cap=namespace.max_tokens_cap,
         allowed_origins=tuple(namespace.allowed_origins),
+        response_ttl_s=namespace.response_ttl_s or None,
+        max_stored_responses=namespace.max_stored_responses,
     )
 
 

@@ -34,6 +34,10 @@ class ServerConfig:
     max_request_body_bytes: int = 4 * 2**20
     max_tokens_cap: int | None = None  # most tokens one request may generate (None: context)
     allowed_origins: tuple[str, ...] = ()
+    # Responses API: a stored response's session closes after this long idle (None: never;
+    # its conversation stays continuable, recomputed), and at most this many are stored.
+    response_ttl_s: float | None = 3600.0
+    max_stored_responses: int = 10_000
 
 
 @dataclass

@@ -64,6 +64,15 @@ def run_server(engine_args, **server_config) -> Iterator[RunningServer]:
             engine.engine.run_async_calls_inline = inline
 
 
+def delete_stored_responses(server: RunningServer) -> None:
+    """Forget every stored response (each keeps its session paused on purpose)."""
+    import httpx
+
+    with httpx.Client(base_url=server.base_url, timeout=30) as http:
+        for rid in server.app.state.responses.store.ids():
+            http.delete(f"/v1/responses/{rid}")
+
+
 def wait_until(predicate, timeout: float = 10.0) -> bool:
     """Poll `predicate` until it holds (True) or the timeout passes (False)."""
     deadline = time.monotonic() + timeout

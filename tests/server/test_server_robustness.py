@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from server.conftest import run_server, wait_until
+from server.conftest import delete_stored_responses, run_server, wait_until
 
 from loom.engine.config import EngineArgs
 from loom.tokenizer.packaged_templates import GEMMA3_TEMPLATE, packaged_template_file
@@ -51,6 +51,7 @@ def leaks(srv, timeout: float = 10.0) -> str | None:
     """What the engine still holds once it should hold nothing (None: nothing): requests or
     sessions, session owners, output queues, KV blocks. Queues of ended requests are then
     dropped, so that one leak does not fail every later test on a shared server."""
+    delete_stored_responses(srv)  # a stored response keeps its session on purpose
     eng, queues = srv.llm_engine, srv.engine._queues
     owners = srv.app.state.loom.session_owners
     ok = wait_until(lambda: not eng.table.group_ids() and not owners and not queues
