@@ -28,7 +28,12 @@ from loom.engine.input_processor import InputProcessor
 from loom.engine.llm_engine import LLMEngine
 from loom.engine.outputs import OutputAccumulator, RequestOutput
 from loom.engine.sessions import Sample, SessionView
-from loom.errors import InvalidSessionStateError, LoomError, SessionClosedError
+from loom.errors import (
+    InvalidSessionStateError,
+    LoomError,
+    SessionClosedError,
+    UnknownRequestError,
+)
 from loom.sampling_params import RequestOutputKind, SamplingParams
 from loom.tokenizer import Tokenizer
 
@@ -318,14 +323,23 @@ class AsyncLLMEngine:
         return await self._call(self.engine.stop_generation, request_id)
 
     async def close(self, request_id: str) -> None:
-        """Close a session and free its blocks."""
+        """Close a session and free its blocks; a caller still reading its outputs (a
+        segment streaming) gets `SessionClosedError` instead of waiting forever."""
         await self._call(self.engine.close, request_id)
-        self._queues.pop(request_id, None)
+        self._end_queue(request_id, SessionClosedError(f"session {request_id!r} is closed"))
 
     async def abort(self, request_id: str) -> None:
-        """Abort a request or session."""
+        """Abort a request or session; a caller still reading its outputs gets
+        `UnknownRequestError` (it has been aborted) instead of waiting forever."""
         await self._call(self.engine.abort_request, request_id)
-        self._queues.pop(request_id, None)
+        self._end_queue(request_id,
+                        UnknownRequestError(f"request {request_id!r} has already aborted"))
+
+    def _end_queue(self, request_id: str, reason: LoomError) -> None:
+        """Drop a request's output queue, leaving `reason` for whoever still waits on it."""
+        queue = self._queues.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(reason)
 
     async def outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Every output of a request as it arrives, until it (or its segment) finishes."""

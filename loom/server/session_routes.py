@@ -12,10 +12,11 @@ from fastapi import APIRouter, Depends, Request
 
 from loom.engine.outputs import OutputAccumulator, RequestOutput
 from loom.engine.sessions import SessionView
+from loom.errors import LoomError
 from loom.sampling_params import RequestOutputKind
 from loom.server import tool_calls
 from loom.server.constraints import constrain, requested_constraint
-from loom.server.errors import APIError
+from loom.server.errors import APIError, from_loom_error
 from loom.server.openai_routes import _sse_response, authenticated, get_state
 from loom.server.protocol import (
     SessionAppendRequest,
@@ -119,6 +120,9 @@ async def _segment(state: ServerState, session_id: str, body: SessionGenerateReq
                 done = out.segment_finished or out.finished
                 gathered.add(out)
                 yield out
+        except LoomError as error:  # the session was closed (deleted, expired) meanwhile
+            done = True
+            raise from_loom_error(error) from None
         finally:
             if not done and engine.is_live(session_id):
                 await asyncio.shield(engine.stop_generation(session_id))

@@ -133,6 +133,24 @@ def test_disconnect_mid_stream_aborts_completion(server, client):
     assert_clean(server)
 
 
+def test_deleting_a_session_ends_its_streaming_segment(server, client):
+    """The segment's stream ends (an error event naming the closed session, then [DONE])
+    instead of waiting for its client's timeout; the KV is freed and the server serves on."""
+    r = client.post("/v1/sessions", json={"prompt": "Once upon a time"})
+    sid = r.json()["id"]
+    with httpx.Client(base_url=server.base_url, timeout=30) as own, \
+            own.stream("POST", f"/v1/sessions/{sid}/generate",
+                       json={"max_tokens": LONG, "ignore_eos": True, "stream": True}) as r:
+        _events, lines = first_events(r, 2)
+        assert client.delete(f"/v1/sessions/{sid}").json()["deleted"] is True
+        rest = [line for line in lines if line.startswith("data: ")]  # ends, or times out
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2][len("data: "):])["error"]
+    assert error["type"] == "not_found_error" and sid in error["message"]
+    completion(client)
+    assert_clean(server)
+
+
 def test_disconnect_mid_session_stream_pauses_the_session(server, client):
     eng = server.llm_engine
     r = client.post("/v1/sessions", json={"prompt": "Once upon a time"})
