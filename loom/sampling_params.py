@@ -97,6 +97,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: for every prompt token after the first, its logprob under the
+    # logits of the position before it, with the `prompt_logprobs` most likely tokens there
+    # (0: the prompt token's alone). Computed only when asked; such a request computes its
+    # whole prompt (its blocks are cached for others, but it takes none from the cache).
+    prompt_logprobs: int | None = None
     # OpenAI's logit_bias: token id -> a value in [-100, 100] added to its logit before
     # sampling (-100 in effect bans a token, 100 forces it); reported logprobs stay raw.
     logit_bias: dict[int, float] | None = None
@@ -145,6 +150,9 @@ class SamplingParams:
             raise bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be an integer >= 0 or None")
+        if self.prompt_logprobs is not None and (
+                not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", "must be an integer >= 0 or None")
         if self.stop is not None and any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "must be non-empty strings")
         if self.stop_token_ids is not None and any(

@@ -91,6 +91,9 @@ class Request:
     # Tokens whose K/V this request took from the prefix cache or from the session it was
     # forked from instead of computing them.
     num_cached_tokens: int = 0
+    # The logits of every prompt position are wanted (prompt logprobs): the prompt's chunks
+    # yield a row per token, and none of it comes from the prefix cache or a KV store.
+    wants_prompt_logits: bool = False
     # K/V already in the request's blocks above the frontier (loaded from an external store):
     # sorted, disjoint [start, end) ranges. The uncomputed tokens between them are the gaps;
     # the frontier jumps over a ready range when it reaches its start.

@@ -183,6 +183,7 @@ class Scheduler:
             block_ids=self.kv.block_ids(request.request_id),
             needs_logits=end == request.num_tokens,
             num_draft_tokens=request.num_draft_tokens,  # a chunk covers all drafts or none
+            all_logits=request.wants_prompt_logits and start < request.num_prompt_tokens,
         )
 
     def _later_gaps(self, request: Request, budget: int, out: SchedulerOutput) -> int:

@@ -32,11 +32,20 @@ class ScheduledChunk:
     block_ids: list[int]
     needs_logits: bool
     num_draft_tokens: int = 0
+    # A prompt chunk of a request that wants prompt logprobs: a logits row for every token
+    # (the sampling rows, if any, are still the last `num_sample_logits`).
+    all_logits: bool = False
+
+    @property
+    def num_sample_logits(self) -> int:
+        """Rows to sample from (or store): 0, or 1 plus one per draft token."""
+        return 1 + self.num_draft_tokens if self.needs_logits else 0
 
     @property
     def num_logits(self) -> int:
-        """Logits rows this chunk yields: 0, or 1 plus one per draft token."""
-        return 1 + self.num_draft_tokens if self.needs_logits else 0
+        """Logits rows this chunk yields, for its last tokens in position order: every
+        token's with `all_logits`, else `num_sample_logits`."""
+        return len(self.token_ids) if self.all_logits else self.num_sample_logits
 
     @property
     def end_pos(self) -> int:

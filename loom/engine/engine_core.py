@@ -22,7 +22,7 @@ import torch
 
 from loom.core.request import RequestStatus
 from loom.core.scheduler import Scheduler
-from loom.core.scheduler_output import SchedulerOutput
+from loom.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from loom.engine.hooks import HookContext, SequenceHook
 from loom.engine.output_processor import OutputProcessor
 from loom.engine.outputs import RequestOutput
@@ -33,6 +33,7 @@ from loom.engine.structured_output import StructuredOutputs
 from loom.engine.token_appender import TokenAppender
 from loom.runner import ModelOutput
 from loom.runner.executor import Executor
+from loom.sample.sampler import position_logprobs
 from loom.spec_decode import SpeculativeConfig
 from loom.tokenizer import Tokenizer
 
@@ -142,19 +143,24 @@ class EngineCore:
         picked: list[int] = []
         row = 0
         for chunk in sched_out.chunks:
-            if not chunk.needs_logits:
+            if not chunk.num_logits:
                 continue
             seq = self.table[chunk.request_id]
+            if chunk.all_logits:  # a prompt chunk's rows: prompt logprobs
+                self._add_prompt_logprobs(seq, chunk, logits[row : row + chunk.num_logits])
+            at = row + chunk.num_logits - chunk.num_sample_logits  # the sampling rows
+            row += chunk.num_logits
+            if not chunk.needs_logits:
+                continue
             if seq.generating:
                 to_sample.append(seq)
                 drafts.append(chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens :])
-                picked.extend(range(row, row + chunk.num_logits))
+                picked.extend(range(at, at + chunk.num_sample_logits))
             else:
                 if seq.is_session:
-                    seq.last_logits = logits[row].clone()
+                    seq.last_logits = logits[at].clone()
                 self.scheduler.park(seq.request, RequestStatus.PAUSED)
             touched[seq.group_id] = None
-            row += chunk.num_logits
         failed: dict[str, str] = {}
         if to_sample:
             if picked != list(range(logits.shape[0])):  # else every row, in order: no copy
@@ -165,6 +171,22 @@ class EngineCore:
         ended = {g: e for g, e in failed.items() if not self.table.is_session_group(g)}
         outputs = self._outputs_of([g for g in touched if g not in ended], failed)
         return outputs + self.fail_groups(ended)
+
+    @staticmethod
+    def _add_prompt_logprobs(seq: SequenceState, chunk: ScheduledChunk,
+                             rows: torch.Tensor) -> None:
+        """Prompt logprobs from a prompt chunk's rows: the row of position p gives the
+        prompt token at p + 1 (up to the last prompt token)."""
+        entries = seq.prompt_logprobs
+        if entries is None:
+            return
+        prompt, start = seq.prompt_ids, chunk.start_pos
+        at = len(entries) - 1  # the position whose row gives the next missing entry
+        stop = min(chunk.end_pos, len(prompt) - 1)
+        if start <= at < stop:  # (rows recomputed after a preemption add nothing)
+            entries += position_logprobs(rows[at - start : stop - start],
+                                         prompt[at + 1 : stop + 1],
+                                         seq.params.prompt_logprobs or 0)
 
     def _fail_unschedulable(self, sched_out: SchedulerOutput) -> list[RequestOutput]:
         """Fail the requests (their trees) that can never get the KV blocks they need, so

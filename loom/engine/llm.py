@@ -9,13 +9,15 @@ from typing import Any
 from loom.engine.config import EngineArgs
 from loom.engine.llm_engine import LLMEngine
 from loom.engine.outputs import CompletionOutput, RequestOutput
-from loom.errors import LoomError, PromptTooLongError
+from loom.errors import InvalidRequestError, LoomError, PromptTooLongError
 from loom.sampling_params import RequestOutputKind, SamplingParams
 
 # Show a progress bar by default only past this many prompts.
 _TQDM_MIN_PROMPTS = 8
 
 Prompt = str | Sequence[int]
+# vLLM's TextPrompt / TokensPrompt: {"prompt": text} or {"prompt_token_ids": ids}.
+PromptDict = dict[str, Any]
 
 
 class LLM:
@@ -40,11 +42,12 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order.
+        """Generate for every prompt (text, token ids, or vLLM's `{"prompt": ...}` /
+        `{"prompt_token_ids": [...]}`); outputs come back in prompt order.
 
         A prompt that cannot be accepted (over the context limit) yields an output with
         `finish_reason="error"` and the message in `error`; the others still run.
@@ -92,13 +95,25 @@ class LLM:
                 bar.close()
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_prompt_list(prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict]
+                    ) -> list[Prompt]:
+    if isinstance(prompts, str | dict):
+        prompts = [prompts]
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [items]  # a single prompt given as token ids
-    return items
+    return [_from_dict(item) if isinstance(item, dict) else item for item in items]
+
+
+def _from_dict(item: PromptDict) -> Prompt:
+    """vLLM's prompt dicts: {"prompt": text} or {"prompt_token_ids": ids}."""
+    if set(item) == {"prompt_token_ids"}:
+        return list(item["prompt_token_ids"])
+    if set(item) == {"prompt"}:
+        return item["prompt"]
+    raise InvalidRequestError(
+        f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids' (ids) alone; got keys "
+        f"{sorted(item)}")
 
 
 def _error_output(request_id: str, prompt: Prompt, exc: LoomError) -> RequestOutput:

@@ -17,7 +17,7 @@ output, or with every output in CUMULATIVE mode.
 
 from __future__ import annotations
 
-from loom.engine.outputs import CompletionOutput, RequestOutput
+from loom.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from loom.engine.sequence import SequenceState
 from loom.engine.sequence_table import SequenceTable
 from loom.sampling_params import RequestOutputKind
@@ -59,6 +59,7 @@ class OutputProcessor:
             outputs=outputs,
             finished=finished,
             error=error,
+            prompt_logprobs=_prompt_logprobs(roots[0], kind),
         )
         # Children go with a request's (or a session segment's) last output, and with every
         # cumulative one.
@@ -102,3 +103,17 @@ def _empty(seq: SequenceState) -> CompletionOutput:
     return CompletionOutput(index=seq.index, text="", token_ids=[],
                             cumulative_logprob=seq.cumulative_logprob,
                             logprobs=[] if seq.logprobs is not None else None)
+
+
+def _prompt_logprobs(seq: SequenceState, kind: RequestOutputKind
+                     ) -> list[PositionLogprobs | None] | None:
+    """The sequence's prompt logprobs once every prompt token has its entry (None before,
+    and for delta outputs after the first that carried them)."""
+    entries = seq.prompt_logprobs
+    if entries is None or len(entries) < len(seq.prompt_ids):
+        return None
+    if kind is RequestOutputKind.DELTA:
+        if seq.prompt_logprobs_reported:
+            return None
+        seq.prompt_logprobs_reported = True
+    return entries

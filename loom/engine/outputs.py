@@ -42,6 +42,10 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     children: list[RequestOutput] = field(default_factory=list)
+    # With SamplingParams.prompt_logprobs, once the prompt is computed (vLLM's shape): per
+    # prompt position, None for the first, else {token id: logprob} holding the prompt's
+    # token and the most likely ones. Delta outputs carry it once.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     @property
     def segment_finished(self) -> bool:
@@ -60,10 +64,13 @@ class OutputAccumulator:
         self._logprobs: dict[int, list[PositionLogprobs] | None] = {}
         self._final: dict[int, CompletionOutput] = {}
         self._finish: dict[int, tuple[str, int | str | None]] = {}
+        self._prompt_logprobs: list[PositionLogprobs | None] | None = None
 
     def add(self, delta: RequestOutput) -> None:
         """Take the next output of the request."""
         self._last = delta
+        if delta.prompt_logprobs is not None:  # deltas carry them once
+            self._prompt_logprobs = delta.prompt_logprobs
         for c in delta.outputs:
             self._tokens.setdefault(c.index, []).extend(c.token_ids)
             self._texts.setdefault(c.index, []).append(c.text)
@@ -115,4 +122,5 @@ class OutputAccumulator:
             metrics=last.metrics,
             error=last.error,
             children=last.children,
+            prompt_logprobs=self._prompt_logprobs,
         )

@@ -83,6 +83,10 @@ class SequenceState:
     grammar: GrammarMatcher | None = None
     # The original prompt's tokens, copied once (outputs refer to this list, never copy it).
     prompt_ids: list[int] = field(default_factory=list)
+    # Prompt logprobs (params.prompt_logprobs): None for the first token, then one entry per
+    # prompt token as its chunk is computed; whether an output carried them (deltas: once).
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_logprobs_reported: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -146,7 +146,8 @@ class SequenceTable:
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}/{i}" for i in range(params.n)]
         shared_prompt = list(prompt_ids)
         for index, seq_id in enumerate(seq_ids):
-            request = Request(seq_id, list(prompt_ids), pinned=pin)
+            request = Request(seq_id, list(prompt_ids), pinned=pin,
+                              wants_prompt_logits=params.prompt_logprobs is not None)
             seq = SequenceState(
                 request=request,
                 params=params,
@@ -160,6 +161,8 @@ class SequenceTable:
                 ttl_s=ttl_s,
                 prompt_ids=shared_prompt,
             )
+            if params.prompt_logprobs is not None:
+                seq.prompt_logprobs = [None]
             self.start_segment(seq, params)
             self._seqs[seq_id] = seq
             self.scheduler.add_request(request)

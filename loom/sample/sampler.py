@@ -107,6 +107,33 @@ def argmax_and_normaliser(raw: Tensor) -> tuple[Tensor | None, Tensor]:
     return None, raw.logsumexp(dim=-1)
 
 
+def position_logprobs(logits: Tensor, token_ids: Sequence[int], top_n: int
+                      ) -> list[dict[int, float]]:
+    """For each row of raw logits [R, V]: the logprob of `token_ids[r]` and of the `top_n`
+    most likely tokens, {token id: logprob} (prompt logprobs). The same arithmetic as the
+    logprobs `Sampler` reports for a sampled token (the raw logit minus the row's
+    log-sum-exp, both per row whatever the batch), so a token gets the same value whether it
+    was generated or given in a prompt."""
+    raw = logits.float()
+    _, lse = argmax_and_normaliser(raw)
+    rows = len(token_ids)
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=raw.device)
+    parts = [(raw.gather(1, ids.unsqueeze(1)).squeeze(1) - lse).double()]
+    top_n = min(top_n, raw.shape[1])
+    if top_n:
+        top = raw.topk(top_n, dim=-1)
+        parts += [top.indices.double().flatten(),
+                  (top.values - lse.unsqueeze(1)).double().flatten()]
+    host = torch.cat(parts).tolist()
+    out = []
+    for r, token_id in enumerate(token_ids):
+        entry = {int(host[rows + r * top_n + m]): host[rows + rows * top_n + r * top_n + m]
+                 for m in range(top_n)}
+        entry[token_id] = host[r]
+        out.append(entry)
+    return out
+
+
 class Sampler:
     """Samples a batch of rows, each with its own `SamplingParams`; holds no state."""
 

@@ -24,10 +24,13 @@ from loom.server.protocol import (
 from loom.server.responses import (
     chat_logprobs,
     completion_logprobs,
+    joined_logprobs,
     now,
+    prompt_logprobs_object,
     request_tree,
     sse,
     usage,
+    vllm_prompt_logprobs,
 )
 from loom.server.state import ServerState
 from loom.server.tools import plan_tools
@@ -163,17 +166,23 @@ async def create_completion(body: CompletionRequest, request: Request,
     """OpenAI's completions: a prompt (or several) continued, optionally streamed."""
     state = get_state(request)
     state.check_model(body.model)
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo with logprobs is not supported (prompt logprobs are not "
-                            "computed)", param="echo")
+    # max_tokens 0 (with echo) scores the prompt: one token is generated and dropped (its
+    # logits are the prompt's last row, computed anyway).
+    score_only = body.max_tokens == 0
+    if score_only and not body.echo:
+        raise APIError(400, "max_tokens=0 generates nothing: it needs echo=true",
+                       param="max_tokens", code="invalid_value")
     prompts = _prompts(state, body.prompt)
     cid = f"cmpl-{uuid.uuid4().hex}"
     constraint, field = requested_constraint(body)
-    limits = [state.max_tokens(body.max_tokens, len(ids)) for _, ids in prompts]
+    limits = [state.max_tokens(1 if score_only else body.max_tokens, len(ids))
+              for _, ids in prompts]
     # One constraint for every prompt: checked to compile once.
     constrained = await constrain(state, body.sampling_params(None, body.logprobs),
                                   constraint, field)
-    params = [constrained.with_updates(max_tokens=limit) for limit in limits]
+    prompt_top = body.prompt_logprobs_wanted()
+    params = [constrained.with_updates(max_tokens=limit, prompt_logprobs=prompt_top)
+              for limit in limits]
     streams = [_timed_stream(state, ids, p, f"{cid}-{i}")
                for i, ((_, ids), p) in enumerate(zip(prompts, params, strict=True))]
     decode = state.decode_token
@@ -183,21 +192,52 @@ async def create_completion(body: CompletionRequest, request: Request,
         text, ids = prompts[i]
         return text if text is not None else state.tokenizer.decode(ids)
 
+    def choice_logprobs(i: int, out: RequestOutput | None, comp: Any, start: bool
+                        ) -> dict[str, Any] | None:
+        """A choice's `logprobs`: its tokens' (none when only scoring), after the echoed
+        prompt's when `start` (the choice's first text) and echo is on."""
+        if body.logprobs is None:
+            return None
+        if not (start and body.echo):
+            return None if score_only else completion_logprobs(comp, decode, top_n)
+        own = None if score_only else completion_logprobs(comp, decode, top_n,
+                                                          text_offset=len(echo_text(i)))
+        entries = out.prompt_logprobs if out is not None else None
+        assert entries is not None  # asked for with echo and logprobs
+        echoed = prompt_logprobs_object(prompts[i][1], entries, decode, top_n)
+        return joined_logprobs(echoed, own)
+
+    def generated(comp: Any) -> tuple[str, str | None, Any]:
+        """(text, finish reason, stop reason) of a choice, nothing when only scoring."""
+        if score_only:
+            return "", "length", None
+        return comp.text, comp.finish_reason, comp.stop_reason
+
+    def prompt_logprobs_field(out: RequestOutput) -> dict[str, Any]:
+        if body.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": vllm_prompt_logprobs(out.prompt_logprobs, decode,
+                                                        body.prompt_logprobs)}
+
     if not body.stream:
         outs = await state.unless_disconnected(
             request, asyncio.gather(*(_gathered(s) for s in streams)))
         choices = []
         for i, out in enumerate(outs):
             for comp in out.outputs:
+                text, reason, stop = generated(comp)
                 choices.append({
                     "index": i * body.n + comp.index,
-                    "text": (echo_text(i) if body.echo else "") + comp.text,
-                    "logprobs": completion_logprobs(comp, decode, top_n)
-                    if body.logprobs is not None else None,
-                    "finish_reason": comp.finish_reason,
-                    "stop_reason": comp.stop_reason,
+                    "text": (echo_text(i) if body.echo else "") + text,
+                    "logprobs": choice_logprobs(i, out, comp, start=True),
+                    "finish_reason": reason,
+                    "stop_reason": stop,
+                    **prompt_logprobs_field(out),
                 })
         total = [usage(o) for o in outs]
+        if score_only:
+            total = [{**u, "completion_tokens": 0, "total_tokens": u["prompt_tokens"]}
+                     for u in total]
         response = {"id": cid, "object": "text_completion", "created": now(),
                     "model": body.model, "choices": choices,
                     "usage": {k: sum(u[k] for u in total) for k in total[0]}}
@@ -212,7 +252,10 @@ async def create_completion(body: CompletionRequest, request: Request,
         gathered = [OutputAccumulator() for _ in streams]
         last: dict[int, RequestOutput] = {}
         created = now()
-        if body.echo:
+        # The echoed prompt goes first; with logprobs it waits for the prompt's (they come
+        # with the prompt's first output).
+        echo_first = body.echo and body.logprobs is None
+        if echo_first:
             for i in range(len(prompts)):
                 for j in range(body.n):
                     yield sse({"id": cid, "object": "text_completion", "created": created,
@@ -220,25 +263,32 @@ async def create_completion(body: CompletionRequest, request: Request,
                                    "index": i * body.n + j, "text": echo_text(i),
                                    "logprobs": None, "finish_reason": None}]})
         async for i, out in _merged(streams):
+            first = i not in last
             last[i] = out
             gathered[i].add(out)
             for comp in out.outputs:  # deltas: the engine held back what a stop may cut
-                text, finished = comp.text, comp.finish_reason is not None
-                if not text and not finished:
+                text, reason, stop = generated(comp)
+                finished = reason is not None or comp.finish_reason is not None
+                echo_now = first and body.echo and not echo_first
+                if not text and not finished and not echo_now:
                     continue
                 yield sse({"id": cid, "object": "text_completion", "created": created,
                            "model": body.model, "choices": [{
-                               "index": i * body.n + comp.index, "text": text,
-                               "logprobs": completion_logprobs(comp, decode, top_n)
-                               if body.logprobs is not None else None,
-                               "finish_reason": comp.finish_reason if finished else None,
-                               "stop_reason": comp.stop_reason if finished else None}]})
+                               "index": i * body.n + comp.index,
+                               "text": (echo_text(i) if echo_now else "") + text,
+                               "logprobs": choice_logprobs(i, out, comp, start=echo_now),
+                               "finish_reason": reason if finished else None,
+                               "stop_reason": stop if finished else None,
+                               **(prompt_logprobs_field(out) if first else {})}]})
         trees = [request_tree(last[i]) if i in last else [] for i in range(len(streams))]
         if any(trees):  # `<promise>` children, once every choice has finished
             yield sse({"id": cid, "object": "text_completion", "created": created,
                        "model": body.model, "choices": [], "children": trees})
         if include_usage:
             total = [usage(g.result()) for g in gathered if g.has_output]
+            if score_only:
+                total = [{**u, "completion_tokens": 0, "total_tokens": u["prompt_tokens"]}
+                         for u in total]
             yield sse({"id": cid, "object": "text_completion", "created": created,
                        "model": body.model, "choices": [],
                        "usage": {k: sum(u[k] for u in total) for k in total[0]}})
@@ -261,6 +311,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     params = await constrain(state, body.sampling_params(state.max_tokens(requested, len(ids)),
                                                          top_n if body.logprobs else None),
                              constraint, field, tools)
+    params = params.with_updates(prompt_logprobs=body.prompt_logprobs)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     stream = _timed_stream(state, ids, params, cid)
     decode = state.decode_token
@@ -279,6 +330,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                 "stop_reason": comp.stop_reason})
         return {"id": cid, "object": "chat.completion", "created": now(), "model": body.model,
                 "choices": choices, "usage": usage(out),
+                **({"prompt_logprobs": vllm_prompt_logprobs(out.prompt_logprobs, decode,
+                                                            body.prompt_logprobs)}
+                   if body.prompt_logprobs is not None else {}),
                 **({"children": request_tree(out)} if out.children else {})}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

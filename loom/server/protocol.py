@@ -197,14 +197,24 @@ Prompt = Annotated[str, Field(min_length=1)] | list[NonNegInt] | list[str] | lis
 
 
 class CompletionRequest(SamplingFields, ConstraintFields):
-    """`POST /v1/completions`."""
+    """`POST /v1/completions`. `max_tokens: 0` with `echo` scores the prompt alone (with
+    `logprobs`: what evaluation harnesses send); `prompt_logprobs` is vLLM's extra."""
 
     model: str
     prompt: Prompt
+    max_tokens: int | None = Field(default=None, ge=0)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    def prompt_logprobs_wanted(self) -> int | None:
+        """Top logprobs per prompt position the response needs (None: none): `echo` with
+        `logprobs`, and/or `prompt_logprobs`."""
+        wanted = [n for n in (self.logprobs if self.echo else None, self.prompt_logprobs)
+                  if n is not None]
+        return max(wanted) if wanted else None
 
 
 class TextPart(StrictModel):
@@ -268,13 +278,14 @@ def _json_object_or_text(text: str) -> Any:
 
 
 class ChatCompletionRequest(SamplingFields, ConstraintFields, ToolFields):
-    """`POST /v1/chat/completions`."""
+    """`POST /v1/chat/completions` (`prompt_logprobs`: vLLM's extra)."""
 
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     stream: bool = False
     stream_options: StreamOptions | None = None
     add_generation_prompt: bool = True

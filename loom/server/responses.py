@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from loom.engine.outputs import CompletionOutput, RequestOutput
+from loom.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 
 def usage(output: RequestOutput) -> dict[str, int]:
@@ -50,6 +50,53 @@ def completion_logprobs(
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs,
             "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def prompt_logprobs_object(
+    prompt_ids: list[int], entries: list[PositionLogprobs | None], decode: Callable[[int], str],
+    top_n: int,
+) -> dict[str, Any]:
+    """The completions API's `logprobs` object for an echoed prompt (the first token has no
+    logprob: `None`, as OpenAI's); text offsets count from the prompt's start."""
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = 0
+    for token_id, position in zip(prompt_ids, entries, strict=True):
+        text = decode(token_id)
+        tokens.append(text)
+        token_logprobs.append(None if position is None else _sampled_logprob(position, token_id))
+        top_logprobs.append({decode(t): lp for t, lp in _top(position, top_n)}
+                            if top_n and position is not None else None)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def joined_logprobs(first: dict[str, Any], second: dict[str, Any] | None) -> dict[str, Any]:
+    """Two `logprobs` objects one after the other (an echoed prompt, then its completion)."""
+    if second is None:
+        return first
+    return {key: first[key] + second[key] for key in first}
+
+
+def vllm_prompt_logprobs(entries: list[PositionLogprobs | None] | None,
+                         decode: Callable[[int], str], top_n: int
+                         ) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs` field: per prompt position None (the first) or {token id:
+    {"logprob", "rank" (1-based among the `top_n` most likely; None for a prompt token
+    outside them), "decoded_token"}}."""
+    if entries is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for position in entries:
+        if position is None:
+            out.append(None)
+            continue
+        ranked = sorted(position.items(), key=lambda kv: -kv[1])
+        out.append({str(t): {"logprob": lp, "rank": i + 1 if i < top_n else None,
+                             "decoded_token": decode(t)}
+                    for i, (t, lp) in enumerate(ranked)})
+    return out
 
 
 def chat_logprobs(
