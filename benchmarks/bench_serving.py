@@ -161,11 +161,13 @@ def loom_server(args: Any) -> Server:
     port = free_port()
     settings = {"dtype": args.dtype, "device": args.device, "max_num_seqs": args.max_num_seqs,
                 "max_num_batched_tokens": args.max_num_batched_tokens,
+                "max_step_ms": args.max_step_ms,
                 "quantization": args.quantization, "enable_prefix_caching": True}
     cmd = [sys.executable, "-m", "loom.cli", "serve", "--model", args.model, "--port", str(port),
            "--served-model-name", args.model, "--dtype", args.dtype, "--device", args.device,
            "--max-num-seqs", str(args.max_num_seqs),
            "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--max-step-ms", str(args.max_step_ms),
            "--max-sessions-per-key", str(max(64, args.agents * 2)),
            "--log-level", "warning"]
     cmd += ["--quantization", args.quantization]
@@ -633,6 +635,8 @@ def main() -> None:
                         help="tokens generated per turn (default 32, quick 16)")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="loom serve")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="loom serve")
+    parser.add_argument("--max-step-ms", type=float, default=100.0,
+                        help="loom serve's time budget per step (0: off, tokens alone)")
     parser.add_argument("--llama-cpp-cache", action=argparse.BooleanOptionalAction,
                         default=None,
                         help="also run the agents on a llama.cpp server with its RAM prompt "

@@ -102,6 +102,9 @@ class SamplingParams:
     # (0: the prompt token's alone). Computed only when asked; such a request computes its
     # whole prompt (its blocks are cached for others, but it takes none from the cache).
     prompt_logprobs: int | None = None
+    # vLLM's request priority: waiting work (new prompts, appended fragments) is admitted by
+    # priority, lower first, then by arrival; a session's segment carries its own.
+    priority: int = 0
     # OpenAI's logit_bias: token id -> a value in [-100, 100] added to its logit before
     # sampling (-100 in effect bans a token, 100 forces it); reported logprobs stay raw.
     logit_bias: dict[int, float] | None = None
@@ -150,6 +153,8 @@ class SamplingParams:
             raise bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be an integer >= 0 or None")
+        if not isinstance(self.priority, int):
+            raise bad("priority", "must be an integer")
         if self.prompt_logprobs is not None and (
                 not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
             raise bad("prompt_logprobs", "must be an integer >= 0 or None")

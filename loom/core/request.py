@@ -76,6 +76,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     sample_when_computed: bool = True
     pinned: bool = False
+    # Admission order among waiting work (vLLM's `priority`): lower first, then arrival.
+    priority: int = 0
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
     last_used: float = 0.0
     # Highest frontier ever reached: tokens recomputed below it are counted as recompute.

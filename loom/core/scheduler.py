@@ -4,12 +4,16 @@ Each step every runnable request is offered its uncomputed tokens, from its fron
 `Request.computable_end` (the end of its tokens, or the next range of K/V loaded from an
 external store), out of a shared token budget: requests with a single uncomputed token
 (decodes) first, then longer ranges (prefills, appended fragments, recomputation after
-preemption, gaps in external K/V), chunked by what is left of the budget. Nothing here knows
-whether tokens came from a prompt, a sampler or a caller's append.
+preemption, gaps in external K/V), chunked by what is left of the budget. With a time budget
+(`max_step_ms`) the same rule holds with a second limit: a range gets the tokens the step's
+predicted time has room for (`loom.core.step_cost`), so running streams are not held up by a
+newcomer's long prompt. Nothing here knows whether tokens came from a prompt, a sampler or a
+caller's append.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -19,6 +23,9 @@ from loom.core.kv_cache_manager import KVCacheManager, cdiv
 from loom.core.kv_transfer import SchedulerConnector
 from loom.core.request import Request, RequestStatus
 from loom.core.scheduler_output import ScheduledChunk, SchedulerOutput, Unschedulable
+from loom.core.step_cost import LinearStepCost, StepCost
+
+logger = logging.getLogger("loom")
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,9 @@ class SchedulerConfig:
     num_kv_blocks: int = 1024
     block_size: int = 16
     enable_prefix_caching: bool = True
+    # A time budget per step (None: tokens alone bound a step): prefill chunks are sized so
+    # the step's predicted cost (`loom.core.step_cost`) stays within it, after the decodes.
+    max_step_ms: float | None = None
 
 
 class Scheduler:
@@ -42,10 +52,16 @@ class Scheduler:
     """
 
     def __init__(
-        self, config: SchedulerConfig, connector: SchedulerConnector | None = None
+        self, config: SchedulerConfig, connector: SchedulerConnector | None = None,
+        cost: StepCost | None = None,
     ) -> None:
         self.config = config
         self.connector = connector
+        # What a step costs (fed by the engine's measured steps): with max_step_ms it sizes
+        # the prefill chunks.
+        self.cost: StepCost | None = cost if cost is not None else (
+            LinearStepCost() if config.max_step_ms is not None else None)
+        self._warned_tiny_budget = False
         self.kv = KVCacheManager(
             config.num_kv_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -121,33 +137,48 @@ class Scheduler:
     # ---- the step -----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's chunks under the token budget, preempting when blocks run out."""
+        """Pick this step's chunks under the token budget and, with `max_step_ms`, the time
+        budget: decodes first (their cost comes off the time budget but never stops them),
+        then longer ranges, each cut to the tokens the time left allows; preempting when
+        blocks run out. Among ranges and waiting requests, lower `priority` goes first, then
+        the order of arrival."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
+        clock = self._clock()
 
-        # Decodes (one uncomputed token, plus any drafts) first, then longer ranges; the
-        # order is otherwise stable.
-        queue = sorted(
-            self.running, key=lambda r: r.num_uncomputed_tokens - r.num_draft_tokens != 1
-        )
+        def is_decode(r: Request) -> bool:
+            return r.num_uncomputed_tokens - r.num_draft_tokens == 1
+
+        queue = sorted(self.running, key=lambda r: (not is_decode(r), r.priority))
         for request in queue:
             if budget == 0:
                 break
             if request.status != RequestStatus.RUNNING or request.loading_kv:
                 continue  # preempted earlier in this loop, or its K/V is being loaded
-            num_new = self._reserve(request, budget, scheduled, out)
+            limit = budget if is_decode(request) else self._time_limit(clock, request, budget,
+                                                                          out)
+            if limit == 0:
+                break  # the time is spent: the remaining ranges wait for the next step
+            num_new = self._reserve(request, limit, scheduled, out)
             if num_new == 0:
                 continue  # nothing to do, or the request preempted itself
             out.chunks.append(self._chunk(request, num_new, out))
+            self._spend(clock, out.chunks[-1])
             scheduled.add(request.request_id)
             budget -= num_new
             if request.ready_ranges:
-                budget -= self._later_gaps(request, budget, out)
+                used = self._later_gaps(request, budget, out)
+                budget -= used
 
+        if any(r.priority for r in self.waiting):  # stable: arrival order within a priority
+            self.waiting = deque(sorted(self.waiting, key=lambda r: r.priority))
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = self._admit(request, budget, out)
+            limit = self._time_limit(clock, request, budget, out)
+            if limit == 0:
+                break  # the time is spent: new requests wait, running streams do not
+            num_new = self._admit(request, limit, out)
             if num_new is None:
                 break  # FIFO: do not let later requests overtake the head
             self.waiting.popleft()
@@ -156,6 +187,7 @@ class Scheduler:
             if num_new == 0:
                 continue  # admitted to load external K/V this step; computes from the next
             out.chunks.append(self._chunk(request, num_new, out))
+            self._spend(clock, out.chunks[-1])
             scheduled.add(request.request_id)
             budget -= num_new
 
@@ -185,6 +217,38 @@ class Scheduler:
             num_draft_tokens=request.num_draft_tokens,  # a chunk covers all drafts or none
             all_logits=request.wants_prompt_logits and start < request.num_prompt_tokens,
         )
+
+    # ---- the time budget -------------------------------------------------------------
+
+    def _clock(self) -> list[float] | None:
+        """The step's time left in ms (a one-element list, spent as chunks are added), or
+        None without a time budget or before the cost model is calibrated."""
+        limit, cost = self.config.max_step_ms, self.cost
+        if limit is None or cost is None or not cost.calibrated:
+            return None
+        return [limit - cost.fixed_ms()]
+
+    def _spend(self, clock: list[float] | None, chunk: ScheduledChunk) -> None:
+        if clock is not None and self.cost is not None:
+            clock[0] -= self.cost.chunk_ms(len(chunk.token_ids), chunk.start_pos)
+
+    def _time_limit(self, clock: list[float] | None, request: Request, budget: int,
+                    out: SchedulerOutput) -> int:
+        """The most tokens of `request`'s next range the time left allows (at most
+        `budget`); at least one when the step would otherwise compute nothing, so that a
+        budget too small for one token still makes progress (said once in the log)."""
+        if clock is None or self.cost is None:
+            return budget
+        tokens = min(budget, self.cost.tokens_within(clock[0], request.num_computed_tokens))
+        if tokens <= 0 and not out.chunks:
+            if not self._warned_tiny_budget:
+                self._warned_tiny_budget = True
+                logger.warning(
+                    "max_step_ms=%s is too small for one token after a step's fixed cost "
+                    "(%.1f ms predicted): steps compute one token each",
+                    self.config.max_step_ms, self.cost.fixed_ms())
+            return 1
+        return max(tokens, 0)
 
     def _later_gaps(self, request: Request, budget: int, out: SchedulerOutput) -> int:
         """After a request's chunk reached a ready range, chunks for the gaps after its

@@ -22,6 +22,12 @@ class EngineArgs:
     # chunk of the default model takes ~0.3 s there), 2048 on CUDA (vLLM's serving default:
     # an eager step is launch-bound, so TTFT at 2,048 tokens fell from 45 to 14 ms on an H100).
     max_num_batched_tokens: int | None = None
+    # A time budget per step in milliseconds (None: off, the token budget alone): prefill
+    # chunks are sized from a cost model of this engine on this host, fitted to the measured
+    # steps, so that a step with running streams stays near it (their inter-token gap).
+    # `loom serve` defaults it to 100 (0 there: off); offline runs keep whole chunks
+    # (throughput).
+    max_step_ms: float | None = None
     max_num_seqs: int = 64
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 1.0

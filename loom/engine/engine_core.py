@@ -17,18 +17,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import torch
 
 from loom.core.request import RequestStatus
 from loom.core.scheduler import Scheduler
 from loom.core.scheduler_output import ScheduledChunk, SchedulerOutput
+from loom.core.step_cost import attention_units
 from loom.engine.hooks import HookContext, SequenceHook
 from loom.engine.output_processor import OutputProcessor
 from loom.engine.outputs import RequestOutput
 from loom.engine.sequence import SequenceState
 from loom.engine.sequence_table import SequenceTable
 from loom.engine.speculation import Speculator
+from loom.engine.stats import StepTimes
 from loom.engine.structured_output import StructuredOutputs
 from loom.engine.token_appender import TokenAppender
 from loom.runner import ModelOutput
@@ -72,6 +75,8 @@ class EngineCore:
         self.outputs = OutputProcessor(self.table)
         self.last_scheduler_output: SchedulerOutput | None = None
         self.num_steps = 0
+        self.last_step_ms = 0.0  # wall time of the last step's forward
+        self.step_times = StepTimes()
         # The async engine sets this False and runs hooks' async calls on its own loop.
         self.run_async_calls_inline = True
 
@@ -90,12 +95,14 @@ class EngineCore:
         if sched_out.is_empty:
             return outputs + self._fail_unschedulable(sched_out)
         self.appender.start_masks(sched_out.chunks)  # grammars work while the model runs
+        started = time.perf_counter()
         try:
             result = self.executor.execute_model(sched_out)
         except Exception as error:  # concerns the whole step: fail its requests, go on
             self.appender.drop_early_masks()
             logger.exception("a step failed")
             return outputs + self._fail_step(sched_out, error)
+        self._observe_step(sched_out, (time.perf_counter() - started) * 1e3)
         self.scheduler.update_after_step(sched_out, result.load_errors, result.load_failure)
         self.num_steps += 1
         outputs += self._update(sched_out, result)
@@ -104,6 +111,18 @@ class EngineCore:
         if self.run_async_calls_inline:
             outputs += self._run_pending_calls_inline()
         return outputs
+
+    def _observe_step(self, sched_out: SchedulerOutput, ms: float) -> None:
+        """Feed a step's measured time to the scheduler's cost model (the time budget) and
+        to the step-time record."""
+        self.last_step_ms = ms
+        self.step_times.observe(ms)
+        cost = self.scheduler.cost
+        if cost is None or sched_out.load_failures or sched_out.loading_request_ids:
+            return  # a step that also loaded external K/V is no measure of compute
+        tokens = sum(len(c.token_ids) for c in sched_out.chunks)
+        attention = sum(attention_units(len(c.token_ids), c.start_pos) for c in sched_out.chunks)
+        cost.observe(tokens, attention, ms)
 
     def _report_changed(self) -> list[RequestOutput]:
         """Outputs of groups changed between steps (a segment stopped by its caller)."""

@@ -165,6 +165,7 @@ def _build_model_parts(
         num_kv_blocks=num_blocks,
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
+        max_step_ms=args.max_step_ms or None,  # 0: off
     )
     if tp > 1:
         mode_summary += f", tensor parallel {tp}"

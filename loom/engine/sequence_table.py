@@ -146,7 +146,7 @@ class SequenceTable:
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}/{i}" for i in range(params.n)]
         shared_prompt = list(prompt_ids)
         for index, seq_id in enumerate(seq_ids):
-            request = Request(seq_id, list(prompt_ids), pinned=pin,
+            request = Request(seq_id, list(prompt_ids), pinned=pin, priority=params.priority,
                               wants_prompt_logits=params.prompt_logprobs is not None)
             seq = SequenceState(
                 request=request,
@@ -175,6 +175,7 @@ class SequenceTable:
         if params is None:
             seq.generating = False
             return
+        seq.request.priority = params.priority
         seq.start_segment(params, self.device)
         seq.grammar = self._grammar_for(seq, params)
 

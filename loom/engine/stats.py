@@ -52,3 +52,33 @@ class EngineStats:
             "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
             "kv_cache_usage": self.kv_cache_usage,
         }
+
+
+# Upper bounds (ms) of the step-time histogram's buckets; the last is +inf.
+STEP_TIME_BUCKETS_MS = (5.0, 10.0, 25.0, 50.0, 100.0, 150.0, 250.0, 500.0, 1000.0, 2500.0,
+                        float("inf"))
+
+
+class StepTimes:
+    """A histogram of the steps' forward wall times (what a running stream waits per token
+    at most): counts per bucket of STEP_TIME_BUCKETS_MS, their sum and number."""
+
+    def __init__(self) -> None:
+        self.counts = [0] * len(STEP_TIME_BUCKETS_MS)
+        self.sum_ms = 0.0
+        self.count = 0
+
+    def observe(self, ms: float) -> None:
+        """Count one step of `ms` milliseconds."""
+        index = next(i for i, bound in enumerate(STEP_TIME_BUCKETS_MS) if ms <= bound)
+        self.counts[index] += 1
+        self.sum_ms += ms
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound ms, steps at most that long) per bucket."""
+        total, out = 0, []
+        for bound, n in zip(STEP_TIME_BUCKETS_MS, self.counts, strict=True):
+            total += n
+            out.append((bound, total))
+        return out

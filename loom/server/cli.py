@@ -115,7 +115,9 @@ def add_serve_parser(sub: Any) -> None:
                         help="responses kept for previous_response_id (oldest go first)")
     server.add_argument("--log-level", default="info")
     add_engine_args(serve)
-    serve.set_defaults(model=SERVE_DEFAULT_MODEL)
+    # A server streams: a newcomer's prompt is chunked to keep running streams' steps near
+    # 100 ms (the offline engine keeps whole chunks).
+    serve.set_defaults(model=SERVE_DEFAULT_MODEL, max_step_ms=100.0)
 
 
 def server_config_from(namespace: argparse.Namespace, env_api_keys: str = "") -> ServerConfig:

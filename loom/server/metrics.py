@@ -34,7 +34,12 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from loom.core.request import Request, RequestStatus
@@ -83,6 +88,11 @@ class EngineSnapshot:
     num_paused: int
     num_blocked: int
     stats: EngineStats
+    # Prompt, fragment and recompute tokens not computed yet (waiting and running ranges).
+    num_queued_prompt_tokens: int = 0
+    # (upper bound ms, steps at most that long), cumulative; the sum of the steps' ms.
+    step_time_buckets: tuple[tuple[float, int], ...] = ()
+    step_time_sum_ms: float = 0.0
 
 
 def _idle_requests(idle: dict[str, Request]) -> list[Request]:
@@ -99,12 +109,18 @@ def read_engine(engine: LLMEngine) -> EngineSnapshot:
     """Read the engine's gauges and counters without its lock (see the module docstring)."""
     scheduler = engine.scheduler
     idle = _idle_requests(scheduler.idle)
+    queued = [*list(scheduler.waiting), *list(scheduler.running)]
+    steps = engine.core.step_times
     return EngineSnapshot(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
         num_paused=sum(1 for r in idle if r.status == RequestStatus.PAUSED),
         num_blocked=sum(1 for r in idle if r.status == RequestStatus.BLOCKED),
         stats=engine.stats,
+        num_queued_prompt_tokens=sum(r.num_uncomputed_tokens for r in queued
+                                     if r.num_uncomputed_tokens > 1),
+        step_time_buckets=tuple(steps.cumulative()),
+        step_time_sum_ms=steps.sum_ms,
     )
 
 
@@ -147,6 +163,9 @@ class EngineCollector(Collector):
             ("g", "num_requests_paused", "Idle paused sessions holding KV.", snap.num_paused),
             ("g", "num_requests_blocked", "Idle sequences blocked on children or a call.",
              snap.num_blocked),
+            ("g", "num_queued_prompt_tokens",
+             "Prompt, fragment and recompute tokens waiting to be computed.",
+             snap.num_queued_prompt_tokens),
             ("g", "kv_cache_usage_perc", "Share of KV blocks in use (1 = full).",
              used / total if total else 0.0),
             ("g", "num_kv_blocks_used", "KV blocks referenced by requests.", used),
@@ -196,6 +215,14 @@ class EngineCollector(Collector):
             family = cls(PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             families.append(family)
+        steps = HistogramMetricFamily(
+            PREFIX + "step_time_seconds",
+            "Wall time of the engine steps' forward passes (a running stream's gap between "
+            "tokens is about one step).", labels=["model_name"])
+        buckets = [("+Inf" if bound == float("inf") else str(bound / 1000), n)
+                   for bound, n in snap.step_time_buckets] or [("+Inf", 0)]
+        steps.add_metric([self.model_name], buckets, snap.step_time_sum_ms / 1000)
+        families.append(steps)
         return families
 
 

@@ -28,7 +28,7 @@ logger = logging.getLogger("loom.server")
 # found.
 IGNORED_FIELDS = frozenset({
     "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
-    "chat_template_kwargs", "priority", "request_id", "cache_salt",
+    "chat_template_kwargs", "request_id", "cache_salt",
 })
 
 
@@ -66,6 +66,8 @@ class SamplingFields(StrictModel):
     # OpenAI's map of token id (a JSON object's string key) to a bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's scheduling priority (lower first among waiting work).
+    priority: int = 0
 
     @model_validator(mode="before")
     @classmethod
@@ -102,6 +104,7 @@ class SamplingFields(StrictModel):
             max_tokens=max_tokens,
             logprobs=logprobs,
             logit_bias=self._logit_bias(),
+            priority=self.priority,
         )
 
     def _logit_bias(self) -> dict[int, float] | None:

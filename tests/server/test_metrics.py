@@ -83,6 +83,8 @@ def test_gauges_read_the_engine_at_scrape_time(tiny_models):
     m = scrape(metrics)
     assert value(m, "loom:num_requests_running") == len(engine.scheduler.running) == 2
     assert value(m, "loom:num_requests_waiting") == len(engine.scheduler.waiting) == 2
+    assert value(m, "loom:num_queued_prompt_tokens") == 2 * 6  # the two waiting prompts
+    assert value(m, "loom:step_time_seconds", "loom:step_time_seconds_count") == engine.num_steps
     assert value(m, "loom:num_kv_blocks_used") == 64 - engine.num_free_blocks
     assert value(m, "loom:num_engine_steps", "loom:num_engine_steps_total") == engine.num_steps
     assert value(m, "loom:num_preemptions", "loom:num_preemptions_total") == (
