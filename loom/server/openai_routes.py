@@ -305,7 +305,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     constraint, field = requested_constraint(body)
     tools = plan_tools(body, constrained=constraint is not None)
     ids = state.chat_ids(body.messages, body.add_generation_prompt,
-                         tools if tools.offered else None)
+                         tools if tools.offered else None, body.chat_template_kwargs)
     requested = body.max_completion_tokens or body.max_tokens
     top_n = body.top_logprobs or 0
     params = await constrain(state, body.sampling_params(state.max_tokens(requested, len(ids)),

@@ -19,16 +19,15 @@ NonNegInt = Annotated[int, Field(ge=0)]
 
 logger = logging.getLogger("loom.server")
 
-# Fields OpenAI and vLLM clients send that change nothing a generation returns here (and
-# `chat_template_kwargs`, which the issue lists among them: not passed to the template yet):
-# they are accepted, named in a logged warning and dropped (as vLLM does with fields it
-# ignores). Any
-# other unknown field stays a 400 naming it: a field that would change the result (beam
-# search, prompt truncation, ...) must not be silently ignored, and a misspelt one should be
-# found.
+# Fields OpenAI and vLLM clients send that change nothing a generation returns here: they
+# are accepted, named in a logged warning and dropped (as vLLM does with fields it ignores),
+# unless the request's model declares the field (chat takes `chat_template_kwargs`; a
+# completion has no template). Any other unknown field stays a 400 naming it: a field that
+# would change the result (beam search, prompt truncation, ...) must not be silently
+# ignored, and a misspelt one should be found.
 IGNORED_FIELDS = frozenset({
     "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
-    "chat_template_kwargs", "request_id", "cache_salt",
+    "request_id", "cache_salt", "chat_template_kwargs",
 })
 
 
@@ -75,12 +74,12 @@ class SamplingFields(StrictModel):
         """Remove IGNORED_FIELDS from a request body, with one warning naming them."""
         if not isinstance(data, dict):
             return data
-        ignored = sorted(IGNORED_FIELDS & data.keys())
+        ignored = sorted((IGNORED_FIELDS & data.keys()) - set(cls.model_fields))
         if not ignored:
             return data
         logger.warning("ignoring request fields that change nothing here: %s",
                        ", ".join(ignored))
-        return {k: v for k, v in data.items() if k not in IGNORED_FIELDS}
+        return {k: v for k, v in data.items() if k not in ignored}
 
     def sampling_params(self, max_tokens: int | None,
                         logprobs: int | None = None) -> SamplingParams:
@@ -292,6 +291,8 @@ class ChatCompletionRequest(SamplingFields, ConstraintFields, ToolFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     add_generation_prompt: bool = True
+    # vLLM's: extra variables for the chat template (e.g. {"enable_thinking": false}).
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class TokenizeRequest(StrictModel):

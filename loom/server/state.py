@@ -21,6 +21,10 @@ from loom.server.tools import TemplateToolSupport, ToolPlan, plan_tools, templat
 from loom.tokenizer import ChatTemplate
 
 T = TypeVar("T")
+# Variables Loom sets for a chat template itself: chat_template_kwargs cannot replace them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "messages", "add_generation_prompt", "bos_token", "eos_token", "tools",
+})
 
 
 @dataclass(frozen=True)
@@ -129,24 +133,31 @@ class ServerState:
         return prompt
 
     def chat_ids(self, messages: Sequence[Any], add_generation_prompt: bool = True,
-                 tools: ToolPlan | None = None) -> list[int]:
+                 tools: ToolPlan | None = None,
+                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """A conversation's prompt ids through the chat template (400 when there is none),
         with the tools `tools` offers and any tool calls and results in the messages as the
-        template can take them (`tools.template_inputs`)."""
+        template can take them (`tools.template_inputs`); `template_kwargs` (vLLM's
+        `chat_template_kwargs`, e.g. `enable_thinking`) are the template's extra variables."""
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(template_kwargs or ()))
+        if reserved:
+            raise APIError(400, f"chat_template_kwargs cannot set {', '.join(reserved)}",
+                           param="chat_template_kwargs")
         template = self.chat_template
         if template is None:
             raise APIError(400, f"model {self.config.served_model_name!r} has no chat template; "
                                 "start the server with --chat-template FILE", param="messages",
                            code="no_chat_template")
         inputs = [m.as_template_input() for m in messages]
-        if tools is None and not any(m.get("tool_calls") or m["role"] == "tool"
-                                     for m in inputs):
+        if tools is None and not template_kwargs and not any(
+                m.get("tool_calls") or m["role"] == "tool" for m in inputs):
             # Rendered as the engine renders; the context limit is checked with max_tokens (a
             # 400 naming it, state.max_tokens), the vocabulary when the engine adds it.
             return self.engine.inputs.render_chat("messages", inputs, add_generation_prompt)
         inputs, extra = template_inputs(inputs, tools or ToolPlan((), None, True),
                                         self.tool_support(template))
-        return template.render_ids(self.tokenizer, inputs, add_generation_prompt, **extra)
+        return template.render_ids(self.tokenizer, inputs, add_generation_prompt,
+                                   **(template_kwargs or {}), **extra)
 
     def tool_support(self, template: ChatTemplate) -> TemplateToolSupport:
         """What the chat template does with tools (probed once per template)."""

@@ -306,3 +306,23 @@ def test_promise_children_come_back_in_the_response(tiny_models):
         assert "".join(c["text"] for e in events for c in e["choices"]) == (
             expected.outputs[0].text)
         assert server.llm_engine.kv_pool_all_free
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_models, tmp_path):
+    """vLLM's `chat_template_kwargs` are the template's extra variables (on chat; the names
+    Loom sets itself are refused)."""
+    folder, _ = tiny_models["gemma3"]
+    template = tmp_path / "shout.jinja"
+    template.write_text("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                        "{% if shout %} LOUDER AND LOUDER{% endif %}")
+    with run_server(tiny_args(folder), served_model_name=MODEL,
+                    chat_template=str(template)) as server:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 1}
+        plain = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+        loud = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60,
+                          json={**body, "chat_template_kwargs": {"shout": True}})
+        assert loud.json()["usage"]["prompt_tokens"] > plain.json()["usage"]["prompt_tokens"]
+        refused = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60,
+                             json={**body, "chat_template_kwargs": {"messages": []}})
+        assert refused.status_code == 400 and "messages" in refused.json()["error"]["message"]
