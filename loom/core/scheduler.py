@@ -26,6 +26,8 @@ from loom.core.scheduler_output import ScheduledChunk, SchedulerOutput, Unschedu
 from loom.core.step_cost import LinearStepCost, StepCost
 
 logger = logging.getLogger("loom")
+# Share of a step's time budget that prefill ranges get even when decodes fill the rest.
+RANGE_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -221,16 +223,22 @@ class Scheduler:
     # ---- the time budget -------------------------------------------------------------
 
     def _clock(self) -> list[float] | None:
-        """The step's time left in ms (a one-element list, spent as chunks are added), or
-        None without a time budget or before the cost model is calibrated."""
+        """[time left in the step, time still reserved for ranges] in ms (spent as chunks
+        are added), or None without a time budget or before the cost model is calibrated.
+        Ranges keep RANGE_SHARE of the budget whatever the decodes take: prefill progresses
+        every step (a step then runs past the budget by at most that share), so a waiting
+        prompt is never starved by streams that keep coming."""
         limit, cost = self.config.max_step_ms, self.cost
         if limit is None or cost is None or not cost.calibrated:
             return None
-        return [limit - cost.fixed_ms()]
+        return [limit - cost.fixed_ms(), RANGE_SHARE * limit]
 
     def _spend(self, clock: list[float] | None, chunk: ScheduledChunk) -> None:
         if clock is not None and self.cost is not None:
-            clock[0] -= self.cost.chunk_ms(len(chunk.token_ids), chunk.start_pos)
+            ms = self.cost.chunk_ms(len(chunk.token_ids), chunk.start_pos)
+            clock[0] -= ms
+            if len(chunk.token_ids) - chunk.num_draft_tokens > 1:  # a range, not a decode
+                clock[1] -= ms
 
     def _time_limit(self, clock: list[float] | None, request: Request, budget: int,
                     out: SchedulerOutput) -> int:
@@ -239,7 +247,7 @@ class Scheduler:
         budget too small for one token still makes progress (said once in the log)."""
         if clock is None or self.cost is None:
             return budget
-        tokens = min(budget, self.cost.tokens_within(clock[0], request.num_computed_tokens))
+        tokens = min(budget, self.cost.tokens_within(max(clock), request.num_computed_tokens))
         if tokens <= 0 and not out.chunks:
             if not self._warned_tiny_budget:
                 self._warned_tiny_budget = True
