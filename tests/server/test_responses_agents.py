@@ -41,7 +41,7 @@ def test_an_agent_calls_a_function_tool(server) -> None:
         name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
         model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client),
         model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
-                                            max_tokens=48),
+                                            max_tokens=32),
         tool_use_behavior="stop_on_first_tool")
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=2)
     assert calls and isinstance(calls[0], str)
@@ -60,7 +60,7 @@ def test_langchain_on_the_responses_api(server) -> None:
 
     model = langchain_openai.ChatOpenAI(
         base_url=f"{server.base_url}/v1", api_key="unused", model=MODEL, temperature=0,
-        max_tokens=48, max_retries=0, use_responses_api=True)
+        max_tokens=24, max_retries=0, use_responses_api=True)
     reply = model.invoke("Say hello.")
     assert reply.text
     with_tools = model.bind_tools([get_weather], tool_choice="get_weather")
