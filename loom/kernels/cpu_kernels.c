@@ -380,6 +380,29 @@ static inline void kv_row_to_f32(const void *row, int64_t n, int f16, float *out
     for (; j < n; j++) out[j] = load_kv1(row, j, f16);
 }
 
+/* A part's softmax numerators in place: scores sl[0, nk) -> exp(score - mx) (masked keys,
+ * -inf: exactly 0; no finite score at all, mx = -inf: every weight 0), padded with masked
+ * scores to a multiple of 8 (<= ATTN_PART) so that the sum has one shape whatever nk is: 8
+ * lanes by key index, then hsum. Returns the sum. Every attention path uses this one. */
+static inline float softmax_numerators(float *sl, int64_t nk, float mx) {
+    if (mx == -INFINITY) {
+        memset(sl, 0, (size_t)nk * sizeof(float));
+        return 0.0f;
+    }
+    const int64_t nk8 = (nk + 7) / 8 * 8;
+    for (int64_t p = nk; p < nk8; p++) sl[p] = -INFINITY;
+    const __m256 vmx = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-INFINITY);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t p = 0; p < nk8; p += 8) {
+        const __m256 s8 = _mm256_loadu_ps(sl + p);
+        const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(s8, vmx)),
+                                       _mm256_cmp_ps(s8, ninf, _CMP_NEQ_OQ));
+        _mm256_storeu_ps(sl + p, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    return hsum256(acc);
+}
+
 /* Phase 1 for one work item: the query tokens [ta, tb) of sequence seq (positions pos_a ..),
  * query heads h0 .. h0 + ng of kv head kvh, keys of one part, into the merge slots.
  *
@@ -476,30 +499,10 @@ static inline __attribute__((always_inline)) void attend_part(
             }
         }
     }
-    /* Softmax numerators exp(score - max) in place (masked keys: exactly 0), padded with
-     * masked scores to a multiple of 8 so the sum has one shape (8 lanes by key index, then
-     * hsum) whatever nk is. */
-    const int64_t nk8 = (nk + 7) / 8 * 8; /* <= ATTN_PART */
+    /* Softmax numerators in place, and their sums. */
     for (int64_t t = 0; t < ql; t++)
-        for (int64_t g = 0; g < ng; g++) {
-            float *sl = SC(t, g);
-            const float mx = RES(t, g)[d];
-            if (mx == -INFINITY) { /* no visible key in this part */
-                memset(sl, 0, (size_t)nk * sizeof(float));
-                continue;
-            }
-            for (int64_t p = nk; p < nk8; p++) sl[p] = -INFINITY;
-            const __m256 vmx = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-INFINITY);
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t p = 0; p < nk8; p += 8) {
-                const __m256 s8 = _mm256_loadu_ps(sl + p);
-                const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(s8, vmx)),
-                                               _mm256_cmp_ps(s8, ninf, _CMP_NEQ_OQ));
-                _mm256_storeu_ps(sl + p, e);
-                acc = _mm256_add_ps(acc, e);
-            }
-            RES(t, g)[d + 1] = hsum256(acc);
-        }
+        for (int64_t g = 0; g < ng; g++)
+            RES(t, g)[d + 1] = softmax_numerators(SC(t, g), nk, RES(t, g)[d]);
     if (convert)
         for (int64_t p = kv0 - k0; p < nk; p++) {
             kv_row_to_f32(vrows[p], d, f16, vconv + p * d);
@@ -618,26 +621,9 @@ static inline __attribute__((always_inline)) void attend_rows(
                 }
             }
     }
-    const int64_t nk8 = (nk + 7) / 8 * 8;
     for (int64_t j = 0; j < nh; j++) {
-        float *sl = SC1(j);
-        const float mx = RES1(j)[d];
         memset(RES1(j), 0, (size_t)d * sizeof(float)); /* the value pass accumulates here */
-        if (mx == -INFINITY) { /* no finite score: zero weights, as attend_part gives them */
-            memset(sl, 0, (size_t)nk * sizeof(float));
-            continue;
-        }
-        for (int64_t p = nk; p < nk8; p++) sl[p] = -INFINITY;
-        const __m256 vmx = _mm256_set1_ps(mx), ninf = _mm256_set1_ps(-INFINITY);
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t p = 0; p < nk8; p += 8) {
-            const __m256 s8 = _mm256_loadu_ps(sl + p);
-            const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(s8, vmx)),
-                                           _mm256_cmp_ps(s8, ninf, _CMP_NEQ_OQ));
-            _mm256_storeu_ps(sl + p, e);
-            acc = _mm256_add_ps(acc, e);
-        }
-        RES1(j)[d + 1] = hsum256(acc);
+        RES1(j)[d + 1] = softmax_numerators(SC1(j), nk, RES1(j)[d]);
     }
     /* Values: each output element one fma chain over the keys in order, from zero. */
     for (int64_t p = kv0; p < k1; p++) {
