@@ -289,7 +289,8 @@ class AsyncLLMEngine:
         return run
 
     async def resample(self, request_id: str, *a: Any, **k: Any) -> list[Sample]:
-        """Draw tokens from a session's stored logits (waits until they are computed)."""
+        """Draw tokens from the stored logits of a session, or of a plain request after a
+        fragment appended to it (waits until they are computed)."""
         await self.wait_for_logits(request_id)
         return await self._call(self.engine.resample, request_id, *a, **k)
 
@@ -299,14 +300,15 @@ class AsyncLLMEngine:
         return await self._call(self.engine.get_logits, request_id)
 
     async def wait_for_logits(self, request_id: str) -> None:
-        """Return once the session is paused with every token computed and logits stored."""
+        """Return once logits to draw from are stored: a session paused with every token
+        computed, or a plain request whose appended fragment was computed."""
         while True:
             async with self._lock:
-                view = self.engine.get_session(request_id)
-                if not view.generating and view.has_logits:
+                if self.engine.has_logits(request_id):
                     return
-                if not view.generating and not self.engine.has_unfinished_requests():
-                    # Nothing will compute it (for example a session at the context limit).
+                if not self.engine.logits_pending(request_id):
+                    # Nothing will compute them (a session at the context limit, a plain
+                    # request without a fragment).
                     self.engine.resample(request_id)  # raises the engine's clear error
             await self.step()
 

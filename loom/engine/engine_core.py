@@ -172,6 +172,9 @@ class EngineCore:
             if not chunk.needs_logits:
                 continue
             if seq.generating:
+                if seq.keep_prefill_logits and not chunk.num_draft_tokens:
+                    seq.last_logits = logits[at].clone()  # the end of an appended fragment
+                    seq.keep_prefill_logits = False
                 to_sample.append(seq)
                 drafts.append(chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens :])
                 picked.extend(range(at, at + chunk.num_sample_logits))

@@ -227,12 +227,22 @@ class LLMEngine:
     def resample(
         self, request_id: str, sampling_params: SamplingParams | None = None, n: int = 1
     ) -> list[Sample]:
-        """Draw `n` tokens from a session's stored logits; the session does not change."""
+        """Draw `n` tokens from the stored logits (a session's last position, or the end of
+        a plain request's last appended fragment); the request does not change."""
         return self.sessions.resample(request_id, sampling_params, n)
 
     def get_logits(self, request_id: str) -> torch.Tensor:
-        """The stored float32 logits row for the session's last position."""
+        """The stored float32 logits row: a session's last position, or the end of a plain
+        request's last appended fragment."""
         return self.sessions.get_logits(request_id)
+
+    def has_logits(self, request_id: str) -> bool:
+        """Whether stored logits can be drawn from now (see `resample`)."""
+        return self.sessions.has_logits(request_id)
+
+    def logits_pending(self, request_id: str) -> bool:
+        """Whether steps will yet store logits to draw from (see `SessionManager`)."""
+        return self.sessions.logits_pending(request_id)
 
     def rewind(self, request_id: str, num_tokens: int) -> None:
         """Drop a paused session's last `num_tokens` tokens (see `SessionManager.rewind`)."""

@@ -53,8 +53,11 @@ class SequenceState:
     stop_reason: int | str | None = None
     # Whether an output already told the caller that the current segment finished.
     finish_reported: bool = False
-    # Last logits row (float32, [V]) for the end of the computed tokens, kept for sessions.
+    # Last logits row (float32, [V]) for the end of the computed tokens, kept for sessions;
+    # for a plain request, the row at the end of its last appended fragment (the seed's
+    # "prefill, then resample"), kept when `keep_prefill_logits` asks for it.
     last_logits: torch.Tensor | None = None
+    keep_prefill_logits: bool = False
     stop_checker: StopStringChecker | None = None
     # Characters cut from the end of the output text by a stop string (the segment's end).
     text_cut_chars: int = 0

@@ -135,6 +135,8 @@ class SessionManager:
             self._require_paused(seq, "heal")
             self.table.truncate(seq, keep)
         self.table.append(seq, new_ids, produced=False)
+        if not seq.is_session:  # the row after the fragment is kept for `resample`
+            seq.keep_prefill_logits = True
         if sampling_params is not None:
             self.table.start_segment(seq, sampling_params)
         return len(new_ids)
@@ -172,8 +174,9 @@ class SessionManager:
         sampling_params: SamplingParams | None = None,
         n: int = 1,
     ) -> list[Sample]:
-        """Draw `n` tokens from the stored logits; the session does not change."""
-        seq = self._session(request_id)
+        """Draw `n` tokens from the stored logits (a session's last position, or the end of a
+        plain request's last fragment); the request does not change."""
+        seq = self._with_logits(request_id)
         logits = self._stored_logits(seq)
         params = sampling_params or seq.params
         generator = None if params.seed is None else make_generator(params.seed, logits.device)
@@ -190,8 +193,34 @@ class SessionManager:
         return [Sample(t, self.tokenizer.decode([t]), lp) for t, lp in draws]
 
     def get_logits(self, request_id: str) -> torch.Tensor:
-        """The stored float32 logits row for the session's last position."""
-        return self._stored_logits(self._session(request_id)).clone()
+        """The stored float32 logits row (see `resample`)."""
+        return self._stored_logits(self._with_logits(request_id)).clone()
+
+    def has_logits(self, request_id: str) -> bool:
+        """Whether `resample` can draw now: stored logits, and (a session) not generating."""
+        seq = self._with_logits(request_id)
+        return seq.last_logits is not None and not (seq.is_session and seq.generating)
+
+    def logits_pending(self, request_id: str) -> bool:
+        """Whether steps will yet store logits `resample` can draw from: a session that
+        generates or has tokens to compute; a plain request whose appended fragment is not
+        computed yet."""
+        seq = self._with_logits(request_id)
+        if seq.is_session:
+            return seq.generating or self.scheduler.has_work()
+        return seq.keep_prefill_logits
+
+    def _with_logits(self, request_id: str) -> SequenceState:
+        """A session's sequence, or that of a plain request of one sequence (whose logits
+        are stored at the end of a fragment appended to it)."""
+        group = self.table.group(request_id)
+        if group[0].is_session:
+            return group[0]
+        if len(group) > 1:
+            raise InvalidRequestError(
+                f"request {request_id!r} has {len(group)} sequences; stored logits belong to "
+                "a session or a request of one sequence")
+        return group[0]
 
     def rewind(self, request_id: str, num_tokens: int) -> None:
         """Drop the last `num_tokens` tokens and the blocks that no longer hold any token.
@@ -282,6 +311,11 @@ class SessionManager:
 
     def _stored_logits(self, seq: SequenceState) -> torch.Tensor:
         if seq.last_logits is None:
+            if not seq.is_session:
+                raise InvalidSessionStateError(
+                    f"request {seq.group_id!r} has no stored logits: a request that is not a "
+                    "session stores them at the end of a fragment appended to it (prefill), "
+                    "once that is computed")
             raise InvalidSessionStateError(
                 f"session {seq.group_id!r} has no stored logits yet: step the engine until "
                 "its last prefill is computed"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine.helpers import make_engine, prompt_ids, run_to_completion
+from engine.helpers import make_engine, prompt_ids, run_to_completion, session_logits
 from tiny_reference import hf_last_logits
 
 from loom import SamplingParams
@@ -338,3 +338,46 @@ def test_the_async_engine_takes_the_seeds_prefill_call(tiny_models):
     assert appended == 2
     tokens = list(last.outputs[0].token_ids)
     assert tokens[1:3] == [21, 22] and len(tokens) == 5 + 2  # after the first token
+
+
+def test_a_plain_request_resamples_from_the_logits_after_its_fragment(tiny_models):
+    """The seed: "after a prefill the last logits are stored so the caller can resample".
+    A plain request keeps the logits row at the end of its last appended fragment (the one
+    its next token was drawn from): equal to a fresh session's over the same tokens, drawn
+    from greedily they give that next token; nothing else changes."""
+    import asyncio
+
+    from loom.engine.async_engine import AsyncLLMEngine
+
+    folder, _ = tiny_models["llama"]
+    engine = make_engine(folder, quantization="w8a8")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompt = prompt_ids(9)
+    engine.add_request("req1", prompt, params)
+    engine.step()
+    with pytest.raises(InvalidSessionStateError, match="fragment appended"):
+        engine.resample("req1")  # no prefill yet
+    engine.prefill("req1", [11, 12, 13])
+    engine.step()  # the fragment computed, the next token drawn from its last row
+    stored = engine.get_logits("req1")
+    tokens = list(engine.table["req1"].request.token_ids)
+    at = tokens.index(13, len(prompt)) + 1
+    greedy = engine.resample("req1", SamplingParams(temperature=0.0))[0]
+    assert greedy.token_id == tokens[at] == int(stored.argmax())
+    assert torch.equal(stored, session_logits(engine, "fresh", tokens[:at]))
+    settle(engine)
+    with pytest.raises(UnknownRequestError, match="already"):
+        engine.resample("req1")  # it ended
+
+    async def main():
+        aengine = AsyncLLMEngine(make_engine(folder))
+        await aengine.add_request("req1", prompt, params)
+        await aengine.step()
+        await aengine.prefill("req1", [11, 12, 13])
+        samples = await aengine.resample("req1", SamplingParams(temperature=0.0), n=2)
+        async for _ in aengine.outputs("req1"):
+            pass
+        return samples
+
+    samples = asyncio.run(main())
+    assert len(samples) == 2 and samples[0].token_id == samples[1].token_id
