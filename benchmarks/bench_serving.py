@@ -234,6 +234,30 @@ def completion_payload(server: str, model: str, prompt: str, out_tokens: int) ->
     return body
 
 
+async def response_request(client: Any, body: dict) -> dict:
+    """POST a (non-streamed) response: its latency (as TTFT too), output and input tokens,
+    the tokens it did not compute (`cached_tokens`) and its id."""
+    rec: dict[str, Any] = {"ok": False, "error": None, "text": "", "output_tokens": 0,
+                           "input_tokens": 0}
+    start = c.now()
+    try:
+        resp = await client.post("/v1/responses", json=body)
+    except Exception as exc:  # recorded, not raised
+        rec["error"] = repr(exc)
+        return rec
+    rec["latency_s"] = rec["ttft_s"] = c.now() - start
+    if resp.status_code != 200:
+        rec["error"] = f"HTTP {resp.status_code}: {resp.text[:300]}"
+        return rec
+    data = resp.json()
+    usage = data.get("usage") or {}
+    rec.update(ok=True, id=data["id"], text=data.get("output_text", ""),
+               output_tokens=usage.get("output_tokens", 0),
+               input_tokens=usage.get("input_tokens", 0),
+               cached_tokens=(usage.get("input_tokens_details") or {}).get("cached_tokens", 0))
+    return rec
+
+
 async def stream_request(client: Any, path: str, body: dict, appended: int = 0) -> dict:
     """POST `body`, read the SSE stream: start-relative chunk times, TTFT, latency, tokens.
 
@@ -442,17 +466,20 @@ def compact(row: dict) -> str:
 
 async def agent_loop(server: Server, args: Any, words: Words, mode: str) -> dict[str, Any]:
     """`args.agents` agents at once, `args.turns` turns each; `mode` is "session" (Loom's
-    live sessions) or "resend" (the whole history to `/v1/completions` every turn)."""
+    live sessions), "responses" (OpenAI's Responses API, each turn naming the previous
+    response: Loom continues its session) or "resend" (the whole history to
+    `/v1/completions` every turn)."""
     out = args.agent_output_tokens
     turns: list[list[dict]] = [[] for _ in range(args.turns)]
     created: list[float] = []
     # Each mode its own texts: Loom's prefix cache must not find one mode's blocks in the
     # next (the re-sends on llama.cpp use the same texts as on Loom, in another process).
-    base = {"session": 50_000, "resend": 70_000}[mode]
+    base = {"session": 50_000, "resend": 70_000, "responses": 90_000}[mode]
 
     async def agent(a: int, client: Any) -> None:
         history = words.text(args.agent_prompt_tokens - 1, seed=base + a, leading_space=False)
         sid = None
+        previous: str | None = None  # the responses mode's last response
         if mode == "session":
             t0 = c.now()
             resp = await client.post("/v1/sessions", json={"prompt": history})
@@ -468,6 +495,14 @@ async def agent_loop(server: Server, args: Any, words: Words, mode: str) -> dict
                             "ignore_eos": True, "temperature": 0.0, "stream": True}
                     rec = await stream_request(client, f"/v1/sessions/{sid}/append", body,
                                                appended=words.count(tool))
+                elif mode == "responses":
+                    text = history + tool if previous is None else tool
+                    rec = await response_request(client, {
+                        "model": args.model, "input": text, "max_output_tokens": out,
+                        "temperature": 0.0, "previous_response_id": previous})
+                    if previous is not None and rec["ok"]:  # only the last one is needed
+                        await client.delete(f"/v1/responses/{previous}")
+                    previous = rec.get("id")
                 else:
                     history += tool
                     body = completion_payload(server.name, args.model, history, out)
@@ -480,11 +515,14 @@ async def agent_loop(server: Server, args: Any, words: Words, mode: str) -> dict
                 # Context after the turn (BOS, prompt, tool results and generated tokens).
                 rec["context_tokens"] = (
                     words.count(history, special=True) if mode == "resend" else
+                    rec["input_tokens"] + rec["output_tokens"] if mode == "responses" else
                     args.agent_prompt_tokens + (t + 1) * (args.tool_tokens + out))
                 turns[t].append(rec)
         finally:
             if sid is not None:
                 await client.delete(f"/v1/sessions/{sid}")
+            if previous is not None:
+                await client.delete(f"/v1/responses/{previous}")
 
     async with new_client(server) as client:
         start = c.now()
@@ -506,6 +544,9 @@ async def agent_loop(server: Server, args: Any, words: Words, mode: str) -> dict
             "first_turn_ms": first, "last_turn_ms": last,
             "last_over_first_turn": c.ratio(last, first),
             "session_create_ms_mean": mean(created) if created else None,
+            "cached_input_share": round(sum(r.get("cached_tokens", 0) for r in flat)
+                                        / max(sum(r.get("input_tokens", 0) for r in flat), 1),
+                                        3) if mode == "responses" else None,
             "output_tok_s": round(sum(r["output_tokens"] for r in flat) / total, 2),
             "by_turn": by_turn}
 
@@ -673,7 +714,8 @@ def main() -> None:
     load_start = os.getloadavg()
     results: dict[str, Any] = {}
     started = c.now()
-    results["loom"] = run_server(loom_server(args), args, words, ["session", "resend"])
+    results["loom"] = run_server(loom_server(args), args, words,
+                                 ["session", "responses", "resend"])
     if llama_cpp_available(args):
         results["llama.cpp"] = run_server(llama_cpp_server(args, n_ctx), args, words,
                                           ["resend"])
@@ -736,6 +778,7 @@ def render(result: dict[str, Any]) -> str:
             continue
         for mode, x in r.get("agents", {}).items():
             label = {"session": "live session (append)",
+                     "responses": "Responses API (previous_response_id)",
                      "resend": "re-send history (/v1/completions)"}[mode]
             arows.append([srv, label, x["total_s"], x["turn_latency_ms_mean"],
                           x["turn_latency_ms_p99"], x["turn_ttft_ms_mean"], x["first_turn_ms"],
@@ -781,7 +824,8 @@ def render(result: dict[str, Any]) -> str:
             f"{c.fmt(s['sustained_output_tok_s_llama_cpp'])} tok/s, "
             f"{c.fmt(s['sustained_output_tok_s_loom_over_llama_cpp'])}x (target at least 2x).")
     agent_bits = []
-    for key, label in (("loom_resend", "re-sending to Loom"),
+    for key, label in (("loom_responses", "Loom's Responses API"),
+                       ("loom_resend", "re-sending to Loom"),
                        ("llama_cpp_resend", "re-sending to llama.cpp"),
                        ("llama_cpp_cache_resend", "re-sending to llama.cpp with its prompt "
                                                   "cache")):
