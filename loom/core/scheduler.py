@@ -170,8 +170,10 @@ class Scheduler:
             scheduled.add(request.request_id)
             budget -= num_new
             if request.ready_ranges:
-                used = self._later_gaps(request, budget, out)
-                budget -= used
+                before = len(out.chunks)
+                budget -= self._later_gaps(request, budget, out)
+                for gap in out.chunks[before:]:
+                    self._spend(clock, gap)
 
         if any(r.priority for r in self.waiting):  # stable: arrival order within a priority
             self.waiting = deque(sorted(self.waiting, key=lambda r: r.priority))
