@@ -917,3 +917,19 @@ def test_schemathesis_no_server_errors(fuzz_server):
     assert 200 in seen["POST /v1/sessions/{session_id}/generate"], seen
     assert 200 in seen["POST /v1/sessions/{session_id}/append"], seen
     assert_clean(fuzz_server, timeout=20)
+
+
+def test_openapi_documents_the_statuses_the_server_answers(server, client):
+    """No 422 (a malformed body is a 400 naming the field), and each route's errors with
+    OpenAI's error body: what schema-driven clients and fuzzers read."""
+    paths = client.get("/openapi.json").json()["paths"]
+    statuses = {(path, method): set(op["responses"]) for path, ops in paths.items()
+                for method, op in ops.items()}
+    assert not any("422" in s for s in statuses.values())
+    assert {"200", "400", "401", "404", "413", "503"} <= statuses[("/v1/completions", "post")]
+    assert {"404", "409", "429"} <= statuses[("/v1/sessions/{session_id}/generate", "post")]
+    assert {"404", "409"} <= statuses[("/v1/responses", "post")]
+    error = paths["/v1/chat/completions"]["post"]["responses"]["400"]
+    assert error["content"]["application/json"]["schema"]["$ref"].endswith("/Error")
+    # And the server does answer a malformed body with a 400, not a 422.
+    assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": 5}), 400)
