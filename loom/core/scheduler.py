@@ -28,6 +28,8 @@ from loom.core.step_cost import LinearStepCost, StepCost
 logger = logging.getLogger("loom")
 # Share of a step's time budget that prefill ranges get even when decodes fill the rest.
 RANGE_SHARE = 0.25
+# The budget in effect is at least this multiple of the model's fixed cost per step.
+FIXED_COST_MULTIPLE = 2.0
 
 
 @dataclass(frozen=True)
@@ -233,6 +235,10 @@ class Scheduler:
         limit, cost = self.config.max_step_ms, self.cost
         if limit is None or cost is None or not cost.calibrated:
             return None
+        # Never below twice a step's fixed cost: a model whose bare decode step takes most of
+        # the budget would otherwise leave prefill a trickle (a 1.7B model on two cores:
+        # 80 ms a step against 100).
+        limit = max(limit, FIXED_COST_MULTIPLE * cost.fixed_ms())
         return [limit - cost.fixed_ms(), RANGE_SHARE * limit]
 
     def _spend(self, clock: list[float] | None, chunk: ScheduledChunk) -> None:

@@ -69,18 +69,24 @@ def test_without_calibration_or_budget_tokens_alone_bound_a_step() -> None:
 
 
 def test_decodes_cannot_starve_a_prompt_of_its_reserved_share() -> None:
-    s = make(FakeCost(fixed=10.0, per_token=1.0), max_step_ms=16.0)
-    for name in "abcdef":
+    s = make(FakeCost(fixed=10.0, per_token=1.0), max_step_ms=20.0)
+    for name in "abcdefgh":
         s.add_request(Request(name, [1, 2]))
         run_step(s)
     s.add_request(Request("new", list(range(100, 150))))
-    out = run_step(s)  # six decodes spend the 6 ms left; the prompt keeps a quarter: 4 ms
+    out = run_step(s)  # eight decodes spend 8 of the 10 ms left; the prompt keeps 5 ms
     assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [
-        *((name, 1) for name in "abcdef"), ("new", 4)]
+        *((name, 1) for name in "abcdefgh"), ("new", 5)]
+
+
+def test_the_budget_is_at_least_twice_a_steps_fixed_cost() -> None:
+    s = make(FakeCost(fixed=80.0, per_token=1.0), max_step_ms=100.0)
+    s.add_request(Request("long", list(range(500))))
+    assert len(run_step(s).chunks[0].token_ids) == 80  # 160 ms in effect, 80 after the fixed
 
 
 def test_a_budget_too_small_for_one_token_still_makes_progress(caplog) -> None:
-    s = make(FakeCost(fixed=30.0, per_token=10.0), max_step_ms=20.0)
+    s = make(FakeCost(fixed=1.0, per_token=50.0), max_step_ms=20.0)
     s.add_request(Request("a", list(range(5))))
     with caplog.at_level(logging.WARNING, logger="loom"):
         sizes = [len(run_step(s).chunks[0].token_ids) for _ in range(5)]
