@@ -1,4 +1,4 @@
-"""Live sessions: append prompt fragments, resume, resample, rewind, inspect and close.
+"""Live sessions: append prompt fragments, resume, resample, rewind, fork, inspect and close.
 
 A session is an ordinary request opened with `session=True`. When one of its generation
 segments ends it is not freed: it keeps its blocks, computes the token it sampled last (so
