@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from loom.core.request import Request, RequestStatus
 from loom.core.scheduler import Scheduler
@@ -148,19 +149,9 @@ class SequenceTable:
         for index, seq_id in enumerate(seq_ids):
             request = Request(seq_id, list(prompt_ids), pinned=pin, priority=params.priority,
                               wants_prompt_logits=params.prompt_logprobs is not None)
-            seq = SequenceState(
-                request=request,
-                params=params,
-                detokenizer=IncrementalDetokenizer(
-                    self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens
-                ),
-                group_id=request_id,
-                index=index,
-                prompt=prompt,
-                is_session=session,
-                ttl_s=ttl_s,
-                prompt_ids=shared_prompt,
-            )
+            seq = self._sequence(request, params, group_id=request_id, index=index,
+                                 prompt=prompt, is_session=session, ttl_s=ttl_s,
+                                 prompt_ids=shared_prompt)
             if params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]
             self.start_segment(seq, params)
@@ -168,6 +159,14 @@ class SequenceTable:
             self.scheduler.add_request(request)
         self._groups[request_id] = seq_ids
         self._ended.pop(request_id, None)
+
+    def _sequence(self, request: Request, params: SamplingParams,
+                  **fields: Any) -> SequenceState:
+        """A sequence over `request`'s tokens so far, generating with `params`, its text
+        detokenised from there on; `fields` are the other SequenceState fields."""
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer, request.token_ids, skip_special_tokens=params.skip_special_tokens)
+        return SequenceState(request=request, params=params, detokenizer=detokenizer, **fields)
 
     def start_segment(self, seq: SequenceState, params: SamplingParams | None) -> None:
         """Begin a generation segment with `params`, or (None) stop sampling: reaching the
@@ -255,16 +254,8 @@ class SequenceTable:
             params = params.with_updates(
                 max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens), n=1
             )
-        child = SequenceState(
-            request=request,
-            params=params,
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer, tokens, skip_special_tokens=params.skip_special_tokens
-            ),
-            group_id=parent.group_id,
-            parent_id=parent_id,
-            depth=parent.depth + 1,
-        )
+        child = self._sequence(request, params, group_id=parent.group_id, parent_id=parent_id,
+                               depth=parent.depth + 1)
         child.start_segment(params, self.device)
         # The child continues its parent's document from the fork.
         child.grammar = parent.grammar.copy() if parent.grammar is not None else None
@@ -291,19 +282,10 @@ class SequenceTable:
         tokens = list(parent.request.token_ids[:num_tokens])
         request = Request(new_id, tokens, num_computed_tokens=num_shared,
                           max_computed_tokens=num_shared, pinned=pin,
-                          num_cached_tokens=num_shared)
+                          priority=parent.request.priority, num_cached_tokens=num_shared)
         params = parent.params
-        seq = SequenceState(
-            request=request,
-            params=params,
-            detokenizer=IncrementalDetokenizer(
-                self.tokenizer, tokens, skip_special_tokens=params.skip_special_tokens
-            ),
-            group_id=new_id,
-            is_session=True,
-            ttl_s=ttl_s,
-            prompt_ids=tokens,
-        )
+        seq = self._sequence(request, params, group_id=new_id, is_session=True, ttl_s=ttl_s,
+                             prompt_ids=tokens)
         seq.start_segment(params, self.device)
         self.start_segment(seq, None)  # paused once its tokens are computed
         if parent.grammar is not None:  # the document as far as the copy goes

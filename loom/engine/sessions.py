@@ -334,7 +334,14 @@ class SessionManager:
         if self.tokenizer.encode(tail_text, add_special_tokens=False) != tail:
             start, tail, tail_text = len(ids), [], ""  # the tail does not round-trip: no healing
         new = self.tokenizer.encode(tail_text + fragment, add_special_tokens=False)
-        common = 0
-        while common < min(len(tail), len(new)) and tail[common] == new[common]:
-            common += 1
+        common = common_prefix(tail, new)
         return start + common, new[common:]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from loom.engine.sessions import common_prefix
 from loom.errors import InvalidRequestError, LoomError
 from loom.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from loom.server import tool_calls
@@ -151,15 +152,6 @@ def text_constraint(body: ResponsesRequest) -> StructuredOutputsParams | None:
         raise _bad("text.format of type 'json_schema' needs schema (a JSON schema object)",
                    "text.format.schema")
     return StructuredOutputsParams(json=fmt.schema_)
-
-
-def common_prefix(a: tuple[int, ...] | list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass
