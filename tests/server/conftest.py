@@ -64,6 +64,23 @@ def run_server(engine_args, **server_config) -> Iterator[RunningServer]:
             engine.engine.run_async_calls_inline = inline
 
 
+@contextlib.contextmanager
+def served_clients(engine, model: str) -> Iterator[tuple[RunningServer, object, object]]:
+    """`loom serve` on a shared engine, with an `openai` client and an httpx client on it
+    (long timeouts, no retries). At exit every stored response is forgotten and the engine
+    must hold no KV block."""
+    import httpx
+    import openai
+
+    with run_server(engine, served_model_name=model) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused",
+                               max_retries=0, timeout=300)
+        with httpx.Client(base_url=server.base_url, timeout=300) as http:
+            yield server, client, http
+        delete_stored_responses(server)
+    assert engine.kv_pool_all_free
+
+
 def delete_stored_responses(server: RunningServer) -> None:
     """Forget every stored response (each keeps its session paused on purpose)."""
     import httpx

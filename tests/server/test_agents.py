@@ -8,9 +8,8 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
-from server.conftest import run_server
+from server.conftest import served_clients
 from server.test_server_robustness import assert_clean, assert_error
 
 openai = pytest.importorskip("openai")
@@ -42,12 +41,8 @@ RESULT = json.dumps({"temperature_c": 21, "sky": "clear"})
 
 @pytest.fixture(scope="module")
 def agent(gemma_engine):
-    with run_server(gemma_engine, served_model_name=MODEL) as server:
-        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused",
-                               max_retries=0, timeout=300)
-        with httpx.Client(base_url=server.base_url, timeout=300) as http:
-            yield server, client, http
-    assert gemma_engine.kv_pool_all_free
+    with served_clients(gemma_engine, MODEL) as clients:
+        yield clients
 
 
 def _parallel(fn, items):

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import math
 
-import httpx
 import pytest
-from server.conftest import run_server
+from server.conftest import served_clients
 from server.test_server_robustness import assert_error
 
 openai = pytest.importorskip("openai")
@@ -21,12 +20,8 @@ MODEL = "gemma3-270m"
 
 @pytest.fixture(scope="module")
 def api(gemma_engine):
-    with run_server(gemma_engine, served_model_name=MODEL) as server:
-        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused",
-                               max_retries=0, timeout=300)
-        with httpx.Client(base_url=server.base_url, timeout=300) as http:
-            yield client, http
-    assert gemma_engine.kv_pool_all_free
+    with served_clients(gemma_engine, MODEL) as (_, client, http):
+        yield client, http
 
 
 def test_echo_scores_a_continuation_as_its_generation_reported_it(api) -> None:

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
-from server.conftest import delete_stored_responses, run_server, wait_until
+from server.conftest import served_clients, wait_until
 from server.test_server_robustness import assert_error
 
 openai = pytest.importorskip("openai")
@@ -29,13 +28,8 @@ GREEDY = {"temperature": 0, "max_output_tokens": 10}
 
 @pytest.fixture(scope="module")
 def api(gemma_engine):
-    with run_server(gemma_engine, served_model_name=MODEL) as server:
-        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused",
-                               max_retries=0, timeout=300)
-        with httpx.Client(base_url=server.base_url, timeout=300) as http:
-            yield server, client, http
-        delete_stored_responses(server)
-    assert gemma_engine.kv_pool_all_free
+    with served_clients(gemma_engine, MODEL) as clients:
+        yield clients
 
 
 def chat_text(client, messages, max_tokens=10) -> str:

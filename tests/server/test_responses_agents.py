@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from server.conftest import delete_stored_responses, run_server
+from server.conftest import served_clients
 
 agents = pytest.importorskip("agents")
 openai = pytest.importorskip("openai")
@@ -19,10 +19,8 @@ MODEL = "gemma3-270m"
 
 @pytest.fixture(scope="module")
 def server(gemma_engine):
-    with run_server(gemma_engine, served_model_name=MODEL) as running:
+    with served_clients(gemma_engine, MODEL) as (running, _, _):
         yield running
-        delete_stored_responses(running)
-    assert gemma_engine.kv_pool_all_free
 
 
 def test_an_agent_calls_a_function_tool(server) -> None:
