@@ -31,8 +31,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from loom.kernels.build import (  # noqa: E402
-    BASE_FLAGS,
     SIGNATURES,
+    compile_variant,
+    compiler_or_fail,
     runnable_variants,
     variant_named,
 )
@@ -56,8 +57,7 @@ def source_of(spec: str, folder: Path, name: str) -> Path:
 
 def build(source: Path, variant: str, out: Path) -> ctypes.CDLL:
     """Compile `source` as Loom compiles that variant and load it, typed."""
-    flags = (*BASE_FLAGS, *variant_named(variant).flags)
-    subprocess.run(["gcc", *flags, str(source), "-o", str(out), "-lm"], check=True)
+    compile_variant(compiler_or_fail(), variant_named(variant), source, out)
     lib = ctypes.CDLL(str(out))
     for name, argtypes in SIGNATURES.items():
         function = getattr(lib, name, None)

@@ -155,6 +155,25 @@ def _compiler() -> str | None:
     return None
 
 
+def compile_variant(compiler: str, variant: KernelVariant, source: Path, output: Path) -> None:
+    """Compile a kernels source file as the variant is built (RuntimeError with the
+    compiler's message when it fails)."""
+    result = subprocess.run(
+        [compiler, *BASE_FLAGS, *variant.flags, str(source), "-o", str(output), "-lm"],
+        capture_output=True, text=True, check=False,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+
+
+def compiler_or_fail() -> str:
+    """The C compiler Loom builds its kernels with (RuntimeError when there is none)."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    return compiler
+
+
 def _build(compiler: str, variant: KernelVariant) -> Path:
     """The variant's shared library, compiled unless the cache holds it."""
     flags = (*BASE_FLAGS, *variant.flags)
@@ -171,12 +190,7 @@ def _build(compiler: str, variant: KernelVariant) -> Path:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        result = subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", tmp, "-lm"],
-            capture_output=True, text=True, check=False,
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        compile_variant(compiler, variant, SOURCE, Path(tmp))
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

@@ -192,7 +192,7 @@ async def create_completion(body: CompletionRequest, request: Request,
         text, ids = prompts[i]
         return text if text is not None else state.tokenizer.decode(ids)
 
-    def choice_logprobs(i: int, out: RequestOutput | None, comp: Any, start: bool
+    def choice_logprobs(i: int, out: RequestOutput, comp: Any, start: bool
                         ) -> dict[str, Any] | None:
         """A choice's `logprobs`: its tokens' (none when only scoring), after the echoed
         prompt's when `start` (the choice's first text) and echo is on."""
@@ -202,9 +202,8 @@ async def create_completion(body: CompletionRequest, request: Request,
             return None if score_only else completion_logprobs(comp, decode, top_n)
         own = None if score_only else completion_logprobs(comp, decode, top_n,
                                                           text_offset=len(echo_text(i)))
-        entries = out.prompt_logprobs if out is not None else None
-        assert entries is not None  # asked for with echo and logprobs
-        echoed = prompt_logprobs_object(prompts[i][1], entries, decode, top_n)
+        assert out.prompt_logprobs is not None  # asked for with echo and logprobs
+        echoed = prompt_logprobs_object(prompts[i][1], out.prompt_logprobs, decode, top_n)
         return joined_logprobs(echoed, own)
 
     def generated(comp: Any) -> tuple[str, str | None, Any]:
@@ -212,6 +211,14 @@ async def create_completion(body: CompletionRequest, request: Request,
         if score_only:
             return "", "length", None
         return comp.text, comp.finish_reason, comp.stop_reason
+
+    def summed_usage(outs: list[RequestOutput]) -> dict[str, int]:
+        """`usage` over the prompts' outputs (no completion tokens when only scoring)."""
+        total = [usage(o) for o in outs]
+        if score_only:
+            total = [{**u, "completion_tokens": 0, "total_tokens": u["prompt_tokens"]}
+                     for u in total]
+        return {k: sum(u[k] for u in total) for k in total[0]}
 
     def prompt_logprobs_field(out: RequestOutput) -> dict[str, Any]:
         if body.prompt_logprobs is None:
@@ -234,13 +241,8 @@ async def create_completion(body: CompletionRequest, request: Request,
                     "stop_reason": stop,
                     **prompt_logprobs_field(out),
                 })
-        total = [usage(o) for o in outs]
-        if score_only:
-            total = [{**u, "completion_tokens": 0, "total_tokens": u["prompt_tokens"]}
-                     for u in total]
         response = {"id": cid, "object": "text_completion", "created": now(),
-                    "model": body.model, "choices": choices,
-                    "usage": {k: sum(u[k] for u in total) for k in total[0]}}
+                    "model": body.model, "choices": choices, "usage": summed_usage(outs)}
         trees = [request_tree(o) for o in outs]
         if any(trees):  # `<promise>` children (Loom's extension), per prompt
             response["children"] = trees
@@ -268,7 +270,7 @@ async def create_completion(body: CompletionRequest, request: Request,
             gathered[i].add(out)
             for comp in out.outputs:  # deltas: the engine held back what a stop may cut
                 text, reason, stop = generated(comp)
-                finished = reason is not None or comp.finish_reason is not None
+                finished = reason is not None
                 echo_now = first and body.echo and not echo_first
                 if not text and not finished and not echo_now:
                     continue
@@ -285,13 +287,9 @@ async def create_completion(body: CompletionRequest, request: Request,
             yield sse({"id": cid, "object": "text_completion", "created": created,
                        "model": body.model, "choices": [], "children": trees})
         if include_usage:
-            total = [usage(g.result()) for g in gathered if g.has_output]
-            if score_only:
-                total = [{**u, "completion_tokens": 0, "total_tokens": u["prompt_tokens"]}
-                         for u in total]
             yield sse({"id": cid, "object": "text_completion", "created": created,
                        "model": body.model, "choices": [],
-                       "usage": {k: sum(u[k] for u in total) for k in total[0]}})
+                       "usage": summed_usage([g.result() for g in gathered if g.has_output])})
 
     return _sse_response(events())
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -29,6 +30,19 @@ IGNORED_FIELDS = frozenset({
     "store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key",
     "request_id", "cache_salt", "chat_template_kwargs",
 })
+
+
+def without_ignored_fields(data: Any, ignorable: frozenset[str],
+                           declared: Iterable[str]) -> Any:
+    """A request body without the `ignorable` fields it carries (those the model does not
+    declare), named in one logged warning."""
+    if not isinstance(data, dict):
+        return data
+    ignored = sorted((ignorable & data.keys()) - set(declared))
+    if not ignored:
+        return data
+    logger.warning("ignoring request fields that change nothing here: %s", ", ".join(ignored))
+    return {k: v for k, v in data.items() if k not in ignored}
 
 
 class StrictModel(BaseModel):
@@ -72,14 +86,7 @@ class SamplingFields(StrictModel):
     @classmethod
     def _drop_ignored_fields(cls, data: Any) -> Any:
         """Remove IGNORED_FIELDS from a request body, with one warning naming them."""
-        if not isinstance(data, dict):
-            return data
-        ignored = sorted((IGNORED_FIELDS & data.keys()) - set(cls.model_fields))
-        if not ignored:
-            return data
-        logger.warning("ignoring request fields that change nothing here: %s",
-                       ", ".join(ignored))
-        return {k: v for k, v in data.items() if k not in ignored}
+        return without_ignored_fields(data, IGNORED_FIELDS, cls.model_fields)
 
     def sampling_params(self, max_tokens: int | None,
                         logprobs: int | None = None) -> SamplingParams:
@@ -436,13 +443,7 @@ class ResponsesRequest(StrictModel):
     @classmethod
     def _drop_ignored_fields(cls, data: Any) -> Any:
         """Remove IGNORED_RESPONSE_FIELDS, with one warning naming them."""
-        if not isinstance(data, dict):
-            return data
-        ignored = sorted(IGNORED_RESPONSE_FIELDS & data.keys())
-        if ignored:
-            logger.warning("ignoring response fields that change nothing here: %s",
-                           ", ".join(ignored))
-        return {k: v for k, v in data.items() if k not in IGNORED_RESPONSE_FIELDS}
+        return without_ignored_fields(data, IGNORED_RESPONSE_FIELDS, cls.model_fields)
 
     def chat_tools(self) -> ToolFields:
         """`tools`, `tool_choice`, `parallel_tool_calls` as chat completions' fields."""
