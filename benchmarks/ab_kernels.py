@@ -111,6 +111,7 @@ def w4a8_case(args: argparse.Namespace) -> tuple[Callable[[Any, int], torch.Tens
     pointers = [(ctypes.c_void_p * 1)(w.data_ptr()) for w in weights]
 
     def call(lib: Any, i: int) -> torch.Tensor:
+        assert weights[i].numel() > 0  # the closure keeps the packed weights alive
         lib.loom_linear_w4a8(x.data_ptr(), m, k, 1, types, pointers[i], columns, None,
                              y.data_ptr())
         return y

@@ -11,6 +11,8 @@ from loom.errors import LoomError
 
 
 def _parser() -> argparse.ArgumentParser:
+    from loom.models.quant_method import QUANTIZATIONS  # torch: only once a command runs
+
     parser = argparse.ArgumentParser(prog="loom", description="Loom LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate continuations of prompts (offline)")
@@ -23,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--device", default="auto")
-    gen.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "w8a8"],
+    gen.add_argument("--quantization", default="auto", choices=["auto", "none", *QUANTIZATIONS],
                      help="auto: w8a8 for a quantized GGUF on the CPU kernels, else none "
                           "(exact dequantised float weights)")
     gen.add_argument("--kv-cache-dtype", default="auto",

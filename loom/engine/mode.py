@@ -36,8 +36,11 @@ from dataclasses import dataclass
 import torch
 
 from loom.cpu_features import cpu_flags
-from loom.runner.loading import QUANTIZATIONS
+from loom.models.quant_method import QUANTIZATIONS, get_quant_method
 
+# The mode quantization="auto" gives a GGUF file of quantised weights on a CPU with the
+# kernels (see the module docstring for why).
+AUTO_QUANTIZED_GGUF = "w8a8"
 # A bf16 matmul must beat float32 by this factor before dtype="auto" picks bfloat16 on a CPU
 # without the kernels (timings are noisy; a tie keeps the exact dtype).
 BF16_MIN_SPEEDUP = 1.25
@@ -116,7 +119,7 @@ def normalize_dtype(name: str | torch.dtype) -> str:
 
 
 def normalize_quantization(value: str | None) -> str | None:
-    """None and 'none' mean no quantization; 'auto', 'int8' and 'w8a8' pass through."""
+    """None and 'none' mean no quantization; 'auto' and the method names pass through."""
     if value is None or value == "none":
         return None
     if value not in ("auto", *QUANTIZATIONS):
@@ -137,10 +140,11 @@ def choose_mode(
     on_cpu = host.device == "cpu"
     auto_quant = quant == "auto"
     if auto_quant:
-        quant = "w8a8" if weights_quantized and on_cpu and host.cpu_kernels else None
-    if quant == "w4a8" and not (on_cpu and host.cpu_kernels):
+        quant = AUTO_QUANTIZED_GGUF if weights_quantized and on_cpu and host.cpu_kernels \
+            else None
+    if get_quant_method(quant).needs_cpu_kernels and not (on_cpu and host.cpu_kernels):
         raise ValueError(
-            "quantization 'w4a8' runs on Loom's CPU kernels (a CPU where they build); "
+            f"quantization {quant!r} runs on Loom's CPU kernels (a CPU where they build); "
             f"this engine runs on {host.device}"
             + ("" if not on_cpu else " without them (see loom.kernels.kernel_status())"))
     dtype = normalize_dtype(dtype)
@@ -153,7 +157,7 @@ def choose_mode(
             dtype = "bfloat16" if host.bf16_ratio() >= BF16_MIN_SPEEDUP else "float32"
     kv = normalize_dtype(kv_cache_dtype)
     if kv == "auto":
-        kv = "float16" if auto_quant and quant == "w8a8" else dtype
+        kv = "float16" if auto_quant and quant is not None else dtype
     return ExecutionMode(dtype=dtype, quantization=quant, kv_cache_dtype=kv,
                          large_batch_dtype=_large_batch_dtype(prefill_dtype, dtype, host))
 

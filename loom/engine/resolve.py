@@ -25,6 +25,7 @@ from loom.kv_connector import KVCacheSpec, KVTransferConfig, model_identity
 from loom.kv_connector.factory import connector_class
 from loom.loader import weights_are_quantized
 from loom.loader.resolve import resolve_model_path
+from loom.models.quant_method import get_quant_method
 from loom.models.tensor_parallel import check_shardable, local_model_config
 from loom.parallel.executor import launch as launch_tensor_parallel
 from loom.runner.decode_graphs import graph_batch_sizes
@@ -141,9 +142,9 @@ def _build_model_parts(
     tp = args.tensor_parallel_size
     if not isinstance(tp, int) or tp < 1:
         raise InvalidRequestError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
-    if tp > 1 and mode.quantization == "w4a8":
-        raise InvalidRequestError("quantization 'w4a8' does not shard over devices yet; "
-                                  "use 'w8a8' with tensor_parallel_size > 1")
+    if tp > 1 and not get_quant_method(mode.quantization).shards:
+        raise InvalidRequestError(f"quantization {mode.quantization!r} does not shard over "
+                                  "devices yet; use 'w8a8' with tensor_parallel_size > 1")
     model_config = read_model_config(model_path)
     check_shardable(model_config, tp)
     rank_config = local_model_config(model_config, tp)  # what each rank's KV pool holds

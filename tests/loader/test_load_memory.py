@@ -115,6 +115,7 @@ def test_preparing_while_loading_equals_preparing_after(tiny_models, arch, quant
     every linear layer quantised."""
     import torch
 
+    from loom.models import quant_method
     from loom.models.quant import quantize_model_int8
     from loom.runner import loading
 
@@ -123,7 +124,7 @@ def test_preparing_while_loading_equals_preparing_after(tiny_models, arch, quant
     _, whole = loading.build_model(folder, torch.float32, quantization=None)  # float, stacked
     if quantization is not None:
         quantize_model_int8(whole, quantize_activations=quantization == "w8a8")
-        loading._compact_embedding(whole, None)
+        quant_method._compact_embedding(whole, None)
     got, want = streamed.state_dict(), whole.state_dict()
     assert got.keys() == want.keys()
     for name, tensor in want.items():
