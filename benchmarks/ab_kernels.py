@@ -9,6 +9,7 @@ as a decode step's weights or a real model's per-layer caches are) and hot in th
 
     python benchmarks/ab_kernels.py --base HEAD attention --context 512 --kv-heads 32 --heads 32
     python benchmarks/ab_kernels.py --base HEAD w4a8 --rows 1 --n 16384 --k 2048 --type 12
+    python benchmarks/ab_kernels.py --base HEAD w8a8 --rows 1 --n 2048 --k 8192
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from loom.kernels.build import (  # noqa: E402
     variant_named,
 )
 from loom.kernels.cpu_ops import w4a8_pack  # noqa: E402
+from loom.kernels.w8a8_layout import to_packed_layout  # noqa: E402
 
 SOURCE = "loom/kernels/cpu_kernels.c"
 
@@ -119,6 +121,26 @@ def w4a8_case(args: argparse.Namespace) -> tuple[Callable[[Any, int], torch.Tens
     return call, copies, weights[0].numel()
 
 
+def w8a8_case(args: argparse.Namespace) -> tuple[Callable[[Any, int], torch.Tensor], int,
+                                                     float]:
+    """`--rows` rows times a random [n, k] int8 matrix packed for the w8a8 kernel."""
+    n, k, m = args.n, args.k, args.rows
+    g = torch.Generator().manual_seed(0)
+    copies = max(1, 400_000_000 // (n * k))
+    weights = [to_packed_layout(torch.randint(-127, 128, (n, k), dtype=torch.int8,
+                                              generator=g)) for _ in range(copies)]
+    scale = torch.rand(n, generator=g) / 100
+    x = torch.randn(m, k, generator=g)
+    y = torch.empty(m, n)
+
+    def call(lib: Any, i: int) -> torch.Tensor:
+        lib.loom_linear_w8a8_packed(x.data_ptr(), m, k, weights[i].data_ptr(), scale.data_ptr(),
+                                    None, n, y.data_ptr())
+        return y
+
+    return call, copies, weights[0].numel()
+
+
 def main() -> None:
     """Parse the arguments, build both sources, alternate them, print the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -139,11 +161,16 @@ def main() -> None:
     w4a8.add_argument("--n", type=int, default=16384)
     w4a8.add_argument("--k", type=int, default=2048)
     w4a8.add_argument("--type", type=int, default=12, choices=[12, 14])
+    w8a8 = sub.add_parser("w8a8", help="a w8a8 linear layer")
+    w8a8.add_argument("--rows", type=int, default=1)
+    w8a8.add_argument("--n", type=int, default=16384)
+    w8a8.add_argument("--k", type=int, default=2048)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     variant = args.variant or runnable_variants()[0]
-    call, copies, nbytes = (attention_case if args.op == "attention" else w4a8_case)(args)
+    cases = {"attention": attention_case, "w4a8": w4a8_case, "w8a8": w8a8_case}
+    call, copies, nbytes = cases[args.op](args)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         libs = [build(source_of(spec, folder, name), variant, folder / f"{name}.so")
