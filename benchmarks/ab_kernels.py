@@ -10,6 +10,7 @@ as a decode step's weights or a real model's per-layer caches are) and hot in th
     python benchmarks/ab_kernels.py --base HEAD attention --context 512 --kv-heads 32 --heads 32
     python benchmarks/ab_kernels.py --base HEAD w4a8 --rows 1 --n 16384 --k 2048 --type 12
     python benchmarks/ab_kernels.py --base HEAD w8a8 --rows 1 --n 2048 --k 8192
+    python benchmarks/ab_kernels.py --base HEAD decode --model F.gguf --tokens 64
 """
 
 from __future__ import annotations
@@ -141,6 +142,37 @@ def w8a8_case(args: argparse.Namespace) -> tuple[Callable[[Any, int], torch.Tens
     return call, copies, weights[0].numel()
 
 
+def decode_rounds(args: argparse.Namespace, libs: list[ctypes.CDLL]) -> dict[str, Any]:
+    """A whole model's greedy generation, its decoder layers (`loom_decode_layers`, the
+    fused decode step) run by each build in turn; the rest of the step runs the engine's
+    own build. Returns the per-build best tok/s and whether both generated the same tokens."""
+    from loom import LLM, SamplingParams
+
+    llm = LLM(model=args.model, quantization=args.quantization, kv_cache_dtype="float16")
+    prompt = {"prompt_token_ids": list(range(100, 100 + args.prompt))}
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt], params)  # builds the fused decoder
+    decoder = llm.engine.runner.model.fused_decoder
+    assert decoder is not None, "this model does not run the fused decoder"
+    steps = []
+    for lib in libs:
+        fn = lib.loom_decode_layers
+        fn.argtypes, fn.restype = decoder._fn.argtypes, None
+        steps.append(fn)
+    best, tokens = [float("inf")] * 2, [None, None]
+    for _ in range(args.rounds):
+        for i, fn in enumerate(steps):
+            decoder._fn = fn
+            start = time.perf_counter()
+            out = llm.generate([prompt], params)  # the prompt is a prefix-cache hit
+            best[i] = min(best[i], time.perf_counter() - start)
+            tokens[i] = out[0].outputs[0].token_ids
+    return {"same_tokens": tokens[0] == tokens[1],
+            **{name: {"tok_s": round(args.tokens / best[i], 2)}
+               for i, name in enumerate(("base", "new"))},
+            "new / base speed": round(best[0] / best[1], 3)}
+
+
 def main() -> None:
     """Parse the arguments, build both sources, alternate them, print the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -165,16 +197,25 @@ def main() -> None:
     w8a8.add_argument("--rows", type=int, default=1)
     w8a8.add_argument("--n", type=int, default=16384)
     w8a8.add_argument("--k", type=int, default=2048)
+    decode = sub.add_parser("decode", help="a model's decode steps (its decoder layers)")
+    decode.add_argument("--model", required=True)
+    decode.add_argument("--quantization", default="w4a8")
+    decode.add_argument("--prompt", type=int, default=16, help="prompt tokens")
+    decode.add_argument("--tokens", type=int, default=64, help="generated tokens")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     variant = args.variant or runnable_variants()[0]
-    cases = {"attention": attention_case, "w4a8": w4a8_case, "w8a8": w8a8_case}
-    call, copies, nbytes = cases[args.op](args)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         libs = [build(source_of(spec, folder, name), variant, folder / f"{name}.so")
                 for name, spec in (("base", args.base), ("new", args.new))]
+        if args.op == "decode":
+            print(json.dumps({"command": c.command_line(), "machine": c.machine_info(),
+                              "variant": variant, **decode_rounds(args, libs)}, indent=1))
+            return
+        cases = {"attention": attention_case, "w4a8": w4a8_case, "w8a8": w8a8_case}
+        call, copies, nbytes = cases[args.op](args)
         outputs = [call(lib, 0).clone() for lib in libs]
         stream, hot = [float("inf")] * 2, [float("inf")] * 2
         for _ in range(args.rounds):

@@ -2042,7 +2042,8 @@ static void w4_segment_body(int64_t type, const W4Act *a, int64_t m, int64_t k,
                             int64_t ny) {
     const int64_t groups = (n + COLS - 1) / COLS, pairs = (groups + 1) / 2;
     const int64_t rows = m == 1 ? 1 : 4, blocks = (m + rows - 1) / rows;
-#pragma omp for schedule(static)
+    /* no barrier per segment: segments write their own columns (the caller waits once) */
+#pragma omp for schedule(static) nowait
     for (int64_t task = 0; task < pairs * blocks; task++) {
         const int64_t g0 = task / blocks * 2, r0 = task % blocks * rows;
         const int R = m - r0 < rows ? (int)(m - r0) : (int)rows;
@@ -2071,6 +2072,7 @@ static void w4_linear_segments_body(const W4Segments *segs, const W4Act *a, int6
                         bias ? bias + y0 : NULL, y + y0, ny);
         y0 += segs->columns[i];
     }
+#pragma omp barrier
 }
 
 /* y[m, sum of ns] = the w4a8 arithmetic of x [m, k] with `nseg` packed segments stacked
