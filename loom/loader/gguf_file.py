@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from loom.errors import UnsupportedModelError
@@ -235,4 +236,34 @@ def load_gguf(
     """Config dict and lazy weight iterator of a .gguf file (see `iter_gguf_weights`)."""
     reader = GGUFFile(path)
     config = gguf_to_hf_config(reader)
+    check_tensor_types(reader)
     return config, iter_gguf_weights(reader, config, dtype, select, keep_blocks)
+
+
+def check_tensor_types(reader: GGUFFile) -> None:
+    """UnsupportedModelError naming the first block type no decoder here reads (Loom's C
+    kernels or `gguf`'s numpy code), before any tensor is read or allocated."""
+    tried: dict[Any, bool] = {}
+    for tensor in reader.tensors:
+        qtype = tensor.qtype
+        if qtype.name in ("F32", "F16") or int(qtype) in GGUF_C_BLOCK_TYPES:
+            continue
+        if qtype not in tried:
+            tried[qtype] = _gguf_decodes(qtype)
+        if not tried[qtype]:
+            raise UnsupportedModelError(
+                f"GGUF tensor {tensor.name!r} is stored as {qtype.name}, a block type Loom "
+                "cannot decode; convert the file to a supported type (for example Q4_K_M "
+                "or Q8_0)")
+
+
+def _gguf_decodes(qtype: Any) -> bool:
+    """Whether `gguf`'s dequantisers read blocks of `qtype` (tried on one zero block)."""
+    block_values, block_bytes = GGML_QUANT_SIZES.get(qtype, (0, 0))
+    if not block_bytes:
+        return False
+    try:
+        dequantize(np.zeros(block_bytes, dtype=np.uint8), qtype)
+    except (NotImplementedError, ValueError, KeyError):
+        return False
+    return True

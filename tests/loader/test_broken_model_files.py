@@ -197,3 +197,31 @@ def test_intact_tiny_model_loads(tiny_folder: Path) -> None:
     config, model = build_model(tiny_folder)
     assert config.hidden_size == 64
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_a_block_type_loom_cannot_decode_is_named_before_loading(tmp_path: Path) -> None:
+    """A tensor stored as a type no decoder here reads (Q8_1, an activation format) is an
+    UnsupportedModelError naming the tensor and its type, raised when the file is opened,
+    before any weight is read; the decodable types pass."""
+    gguf = pytest.importorskip("gguf")
+    from loom.loader.gguf_file import check_tensor_types
+
+    def tiny(name: str, qtype: object) -> Path:
+        path = tmp_path / f"{name}.gguf"
+        writer = gguf.GGUFWriter(str(path), arch="llama")
+        nbytes = gguf.GGML_QUANT_SIZES[qtype][1]
+        writer.add_tensor("token_embd.weight", np.zeros((4, 2 * nbytes), dtype=np.uint8),
+                          raw_dtype=qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+    types = gguf.GGMLQuantizationType
+    for ok in (types.Q4_K, types.Q8_0, types.IQ4_XS):
+        check_tensor_types(GGUFFile(tiny(ok.name, ok)))
+    with pytest.raises(UnsupportedModelError,
+                       match="'token_embd.weight' is stored as Q8_1, a block type Loom "
+                             "cannot decode"):
+        check_tensor_types(GGUFFile(tiny("q8_1", types.Q8_1)))
