@@ -259,7 +259,7 @@ def check_tensor_types(reader: GGUFFile) -> None:
 
 def _gguf_decodes(qtype: Any) -> bool:
     """Whether `gguf`'s dequantisers read blocks of `qtype` (tried on one zero block)."""
-    block_values, block_bytes = GGML_QUANT_SIZES.get(qtype, (0, 0))
+    block_bytes = GGML_QUANT_SIZES.get(qtype, (0, 0))[1]
     if not block_bytes:
         return False
     try:

@@ -9,7 +9,8 @@ the embedding become, and where the method cannot run (`check`). Which fused-dec
 a prepared layer follows from the layer's class (`loom.models.fused_decode._linear`). A new
 weight format is one subclass here, its layer class and its kernel.
 
-- `QuantMethod` itself (quantization=None, `FLOAT`): the checkpoint's (dequantised) values in the model dtype.
+- `QuantMethod` itself (quantization=None, `FLOAT`): the checkpoint's (dequantised) values
+  in the model dtype.
 - `Int8Method` ("int8"): per-output-channel int8 weights, float activations.
 - `W8A8Method` ("w8a8"): int8 weights and int8 activations per block of 32, one arithmetic
   for every call on Loom's CPU kernels (the bit-identical default mode).
