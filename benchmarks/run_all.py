@@ -17,7 +17,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 BENCHMARKS = ["startup", "latency", "throughput", "sessions", "hooks", "quality", "speculative",
-              "prefix", "kv_connector", "serving", "step_profile", "tensor_parallel"]
+              "prefix", "kv_connector", "serving", "step_profile", "tensor_parallel",
+              "model_sizes"]
 
 
 def main() -> int:

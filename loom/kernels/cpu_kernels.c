@@ -1658,6 +1658,7 @@ LOOM_EXPORT int64_t loom_dequantize(int64_t type, const uint8_t *src, int64_t nb
  *     acc  = fmaf((float)I, (d[s] * (float)sc[s][j]) * xs, acc)
  *     mins = fmaf(dmin[s] * (float)m[s][j], xs * (float)X, mins)
  *     y    = acc - mins (+ bias)
+ *   Q5_K (w = d * sc * q - dmin * m, q in 0..31): as Q4_K
  *   Q6_K (w = d * sc16 * (q - 32), q in 0..63, one scale per 16 k):
  *     J    = sc[s][2j] * (I_lo - 32 * X_lo) + sc[s][2j + 1] * (I_hi - 32 * X_hi)   (int32)
  *     acc  = fmaf((float)J, d[s] * xs, acc)
@@ -1671,22 +1672,30 @@ LOOM_EXPORT int64_t loom_dequantize(int64_t type, const uint8_t *src, int64_t nb
  * of 256 k, records one after another along k:
  *   Q4_K (1216 bytes): d[8] f32 | dmin[8] f32 | sc[8 blocks][8 cols] u8 | m[8][8] u8 |
  *                      lo[8 blocks][128]
+ *   Q5_K (2240 bytes): as Q4_K's header | q[8 blocks][256]
  *   Q6_K (2208 bytes): d[8] f32 | sc[16 halves][8 cols] i8 | q[8 blocks][256]
  * lo: byte v * 32 + c * 4 + i holds k = 8 v + i (low nibble) and 8 v + 4 + i (high nibble)
- * of the block; Q6_K's q (0..63) one byte each, byte t * 32 + c * 4 + i for k = 4 t + i: a
+ * of the block; Q5_K's and Q6_K's q one byte each, byte t * 32 + c * 4 + i for k = 4 t + i: a
  * 6-bit value costs as many operations to unpack as to multiply, and on two cores the
  * unpacking made Q6_K layers compute-bound at half the memory's bandwidth (measured: an
  * output projection 5.7 ms packed in 6 bits against 3.7 ms for w8a8's bytes). */
 
 #define W4_SB 256
 #define W4_Q4K 12
+#define W4_Q5K 13
 #define W4_Q6K 14
 #define W4_REC_Q4K 1216
+#define W4_REC_Q5K 2240
 #define W4_REC_Q6K 2208
 
 static inline int64_t w4_record_bytes(int64_t type) {
-    return type == W4_Q4K ? W4_REC_Q4K : type == W4_Q6K ? W4_REC_Q6K : -1;
+    return type == W4_Q4K ? W4_REC_Q4K : type == W4_Q5K ? W4_REC_Q5K
+         : type == W4_Q6K ? W4_REC_Q6K : -1;
 }
+
+/* Types of the form w = d * sc * q - dmin * m (Q4_K, Q5_K): the same record header and the
+ * same float arithmetic; their q differ in width and packing. */
+static inline int w4_has_mins(int64_t type) { return type == W4_Q4K || type == W4_Q5K; }
 
 /* The q values (0..15 or 0..63) and scales of one file super-block of one row. */
 static void w4_decode_q4k(const uint8_t *b, float *d, float *dmin, uint8_t sc[8],
@@ -1694,6 +1703,21 @@ static void w4_decode_q4k(const uint8_t *b, float *d, float *dmin, uint8_t sc[8]
     *d = f16_to_f32(b), *dmin = f16_to_f32(b + 2);
     k_scale_min(b + 4, sc, mn);
     for (int o = 0; o < 256; o++) q[o] = (uint8_t)q4_k_value(b, o);
+}
+
+/* Q5_K's five-bit value of element o of a block: the four low bits as Q4_K's, the fifth is
+ * bit o / 32 of qh[o % 32]. */
+static inline int q5_k_value(const uint8_t *b, int o) {
+    const uint8_t *qh = b + 16, *qs = b + 48;
+    const int g = o / 32, i = o % 32;
+    return ((qs[32 * (g / 2) + i] >> (4 * (g % 2))) & 0x0F) | (((qh[i] >> g) & 1) << 4);
+}
+
+static void w4_decode_q5k(const uint8_t *b, float *d, float *dmin, uint8_t sc[8],
+                          uint8_t mn[8], uint8_t q[256]) {
+    *d = f16_to_f32(b), *dmin = f16_to_f32(b + 2);
+    k_scale_min(b + 4, sc, mn);
+    for (int o = 0; o < 256; o++) q[o] = (uint8_t)q5_k_value(b, o);
 }
 
 static void w4_decode_q6k(const uint8_t *b, float *d, int8_t sc[16], uint8_t q[256]) {
@@ -1715,7 +1739,8 @@ LOOM_EXPORT int64_t loom_w4a8_pack(int64_t type, const uint8_t *raw, int64_t n, 
                                    uint8_t *out) {
     const int64_t rec = w4_record_bytes(type), nsb = k / W4_SB;
     if (rec < 0 || k % W4_SB) return -1;
-    const int64_t src_bytes = type == W4_Q4K ? 144 : 210, groups = (n + COLS - 1) / COLS;
+    const int64_t src_bytes = type == W4_Q4K ? 144 : type == W4_Q5K ? 176 : 210;
+    const int64_t groups = (n + COLS - 1) / COLS;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++)
         for (int64_t s = 0; s < nsb; s++) {
@@ -1724,15 +1749,22 @@ LOOM_EXPORT int64_t loom_w4a8_pack(int64_t type, const uint8_t *raw, int64_t n, 
                 const uint8_t *b = raw + ((g * COLS + c) * nsb + s) * src_bytes;
                 uint8_t q[256];
                 float d;
-                if (type == W4_Q4K) {
+                if (w4_has_mins(type)) {
                     uint8_t sc[8], mn[8];
                     float dmin;
-                    w4_decode_q4k(b, &d, &dmin, sc, mn, q);
+                    if (type == W4_Q4K)
+                        w4_decode_q4k(b, &d, &dmin, sc, mn, q);
+                    else
+                        w4_decode_q5k(b, &d, &dmin, sc, mn, q);
                     memcpy(r + 32 + 4 * c, &dmin, 4);
                     for (int j = 0; j < 8; j++) r[64 + j * 8 + c] = sc[j], r[128 + j * 8 + c] = mn[j];
-                    for (int kk = 0; kk < 256; kk++)
-                        r[192 + (kk / 32) * 128 + w4_lo_at(c, kk % 32)] |=
-                            (uint8_t)(q[kk] << w4_lo_shift(kk % 32));
+                    for (int kk = 0; kk < 256; kk++) {
+                        if (type == W4_Q4K)
+                            r[192 + (kk / 32) * 128 + w4_lo_at(c, kk % 32)] |=
+                                (uint8_t)(q[kk] << w4_lo_shift(kk % 32));
+                        else
+                            r[192 + w4_byte_at(c, kk)] = q[kk];
+                    }
                 } else {
                     int8_t sc[16];
                     w4_decode_q6k(b, &d, sc, q);
@@ -1751,10 +1783,11 @@ static inline float w4_weight(int64_t type, const uint8_t *r, int c, int kk) {
     const int j = kk / 32, i = kk % 32;
     float d;
     memcpy(&d, r + 4 * c, 4);
-    if (type == W4_Q4K) {
+    if (w4_has_mins(type)) {
         float dmin;
         memcpy(&dmin, r + 32 + 4 * c, 4);
-        const int q = (r[192 + j * 128 + w4_lo_at(c, i)] >> w4_lo_shift(i)) & 15;
+        const int q = type == W4_Q4K ? (r[192 + j * 128 + w4_lo_at(c, i)] >> w4_lo_shift(i)) & 15
+                                     : r[192 + w4_byte_at(c, kk)];
         return d * (float)r[64 + j * 8 + c] * (float)q - dmin * (float)r[128 + j * 8 + c];
     }
     const float ds = d * (float)(int8_t)r[32 + (2 * j + i / 16) * 8 + c];
@@ -1859,7 +1892,7 @@ static inline __attribute__((always_inline)) void w4_tile(
     /* Q4_K's minimum terms: in the main loop where registers allow (small tiles: decode),
      * else in their own pass over the blocks (below); the same operations in the same
      * order either way */
-    const int INLINE_MINS = type == W4_Q4K && R * C <= 2;
+    const int INLINE_MINS = w4_has_mins(type) && R * C <= 2;
     __m256 acc[W4_MAXR][W4_MAXC], mins[W4_MAXR][W4_MAXC];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = mins[r][c] = _mm256_setzero_ps();
@@ -1872,11 +1905,21 @@ static inline __attribute__((always_inline)) void w4_tile(
             for (int c = 0; c < C; c++) prefetch_bytes(rc[c] + W4_PREFETCH_RECORDS * rec, rec);
         for (int j = 0; j < 8; j++) {
             const int64_t b = s * 8 + j, at = b * QBLOCK;
-            if (type == W4_Q4K) {
+            if (w4_has_mins(type)) {
                 __m256i iacc[W4_MAXR][W4_MAXC];
                 for (int r = 0; r < R; r++)
                     for (int c = 0; c < C; c++) iacc[r][c] = _mm256_setzero_si256();
-                for (int v = 0; v < 4; v++) {
+                for (int t = 0; type == W4_Q5K && t < 8; t++) { /* bytes, steps of 4 k */
+                    __m256i q[W4_MAXC];
+                    for (int c = 0; c < C; c++)
+                        q[c] = _mm256_loadu_si256(
+                            (const __m256i *)(rc[c] + 192 + j * 256 + t * 32));
+                    for (int r = 0; r < R; r++) {
+                        const __m256i x = w4_x4(a, r0 + r, k, at + 4 * t);
+                        for (int c = 0; c < C; c++) iacc[r][c] = dot_u8s8(iacc[r][c], q[c], x);
+                    }
+                }
+                for (int v = 0; type == W4_Q4K && v < 4; v++) { /* nibbles, steps of 8 k */
                     __m256i lo[W4_MAXC], hi[W4_MAXC];
                     for (int c = 0; c < C; c++) {
                         const __m256i raw = _mm256_loadu_si256(
@@ -1991,7 +2034,7 @@ static inline __attribute__((always_inline)) void w4_tile(
     }
     /* Q4_K's minimum terms of larger tiles, in their own pass over the blocks (in order):
      * out of the main loop's registers, which the products' accumulators need. */
-    for (int c = 0; type == W4_Q4K && !INLINE_MINS && c < C; c++) {
+    for (int c = 0; w4_has_mins(type) && !INLINE_MINS && c < C; c++) {
         for (int64_t s = 0; s < nsb; s++) {
             const uint8_t *rcs = w + ((g0 + c) * nsb + s) * rec;
             const __m256 dmin = _mm256_loadu_ps((const float *)(rcs + 32));
@@ -2003,7 +2046,7 @@ static inline __attribute__((always_inline)) void w4_tile(
             }
         }
     }
-    for (int r = 0; type == W4_Q4K && r < R; r++)
+    for (int r = 0; w4_has_mins(type) && r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_sub_ps(acc[r][c], mins[r][c]);
     for (int c = 0; c < C; c++) {
         const int64_t col = (g0 + c) * COLS;
@@ -2027,10 +2070,13 @@ static void w4_tile_any(int64_t type, const W4Act *a, int64_t r0, int R, int64_t
     }
     W4_CASE(W4_Q4K, 1, 1) W4_CASE(W4_Q4K, 1, 2) W4_CASE(W4_Q4K, 2, 1) W4_CASE(W4_Q4K, 2, 2)
     W4_CASE(W4_Q4K, 3, 1) W4_CASE(W4_Q4K, 4, 1)
+    W4_CASE(W4_Q5K, 1, 1) W4_CASE(W4_Q5K, 1, 2) W4_CASE(W4_Q5K, 2, 1) W4_CASE(W4_Q5K, 2, 2)
+    W4_CASE(W4_Q5K, 3, 1) W4_CASE(W4_Q5K, 4, 1)
     W4_CASE(W4_Q6K, 1, 1) W4_CASE(W4_Q6K, 1, 2) W4_CASE(W4_Q6K, 2, 1) W4_CASE(W4_Q6K, 2, 2)
     W4_CASE(W4_Q6K, 3, 1) W4_CASE(W4_Q6K, 4, 1)
 #if W4_WIDE
-    W4_CASE(W4_Q4K, 3, 2) W4_CASE(W4_Q4K, 4, 2) W4_CASE(W4_Q6K, 3, 2) W4_CASE(W4_Q6K, 4, 2)
+    W4_CASE(W4_Q4K, 3, 2) W4_CASE(W4_Q4K, 4, 2) W4_CASE(W4_Q5K, 3, 2) W4_CASE(W4_Q5K, 4, 2)
+    W4_CASE(W4_Q6K, 3, 2) W4_CASE(W4_Q6K, 4, 2)
 #endif
 #undef W4_CASE
 }
@@ -2121,10 +2167,12 @@ LOOM_EXPORT void loom_linear_w4a8_ref(const float *x, int64_t m, int64_t k, int6
                     const int8_t *xq = a.xq + r * k + b * QBLOCK;
                     float d;
                     memcpy(&d, rc + 4 * c, 4);
-                    if (type == W4_Q4K) {
+                    if (w4_has_mins(type)) {
                         int32_t i32 = 0;
                         for (int i = 0; i < 32; i++)
-                            i32 += ((rc[192 + j * 128 + w4_lo_at(c, i)] >> w4_lo_shift(i)) & 15) * xq[i];
+                            i32 += (type == W4_Q4K
+                                    ? (rc[192 + j * 128 + w4_lo_at(c, i)] >> w4_lo_shift(i)) & 15
+                                    : rc[192 + w4_byte_at(c, (int)(32 * j) + i)]) * xq[i];
                         float dmin;
                         memcpy(&dmin, rc + 32 + 4 * c, 4);
                         const float ds = d * (float)rc[64 + j * 8 + c];

@@ -262,8 +262,9 @@ def dequantize_gguf_blocks(raw: np.ndarray, type_id: int, out: torch.Tensor) -> 
 
 
 # GGUF block types the w4a8 kernel computes from (type id -> packed bytes per group of 8
-# columns and 256 k; see "w4a8" in cpu_kernels.c): Q4_K and Q6_K, the types of Q4_K_M files.
-W4A8_TYPES = {12: 1216, 14: 2208}
+# columns and 256 k; see "w4a8" in cpu_kernels.c): Q4_K and Q6_K, the types of Q4_K_M files,
+# and Q5_K, the bulk of Q5_K_M ones.
+W4A8_TYPES = {12: 1216, 13: 2240, 14: 2208}
 W4A8_GROUP = 8
 W4A8_MAX_SEGMENTS = 4  # W4_MAX_SEGMENTS in cpu_kernels.c
 W4A8_SUPER_BLOCK = 256

@@ -1,10 +1,12 @@
 """w4a8: linear layers computed from a GGUF file's own 4- and 6-bit blocks, int8 activations.
 
-A Q4_K_M file stores most matrices as Q4_K (4.5 bits a weight) and some as Q6_K (6.6 bits).
+A Q4_K_M file stores most matrices as Q4_K (4.5 bits a weight) and some as Q6_K (6.6 bits);
+a Q5_K_M file most as Q5_K (5.5 bits).
 The w8a8 mode dequantises them and quantises again to 8 bits per weight, so decode reads
 almost twice the file's bytes. Here a layer keeps the file's integers and scales, repacked
 once for the kernel (`loom.kernels.w4a8_pack`: groups of 8 output columns, 4.75 bits a
-weight for Q4_K, 8.6 for Q6_K, whose six-bit values are kept one byte each), and every
+weight for Q4_K, 8.75 for Q5_K and 8.6 for Q6_K, whose five- and six-bit values are kept
+one byte each), and every
 call, a decode row or a prefill chunk of thousands, runs one arithmetic
 (`loom_linear_w4a8` in cpu_kernels.c): activations rounded to int8 per block of 32 as w8a8
 rounds them, each block's products summed exactly in integers, the float scaling in one
@@ -121,7 +123,7 @@ class W4A8Linear(nn.Module):
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        names = {12: "Q4_K", 14: "Q6_K"}
+        names = {12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
         kinds = ", ".join(f"{names.get(t, t)}x{c}" for t, c in zip(self.types, self.columns,
                                                                       strict=True))
         return f"in_features={self.in_features}, segments=[{kinds}]"

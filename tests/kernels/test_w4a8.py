@@ -1,4 +1,4 @@
-"""The w4a8 kernel (GGUF Q4_K / Q6_K blocks x int8 activations) against its plain-C oracle,
+"""The w4a8 kernel (GGUF Q4_K / Q5_K / Q6_K blocks x int8 activations) against its plain-C oracle,
 on every kernel variant this CPU runs: the same bits for any number of rows, any stacking of
 segments, any position of a row in the call; the packed weights are the file's values bit
 for bit; the result is the float product of the rounded activations and those weights, to
@@ -22,8 +22,8 @@ from loom.kernels.build import runnable_variants, use_variant
 from loom.models.quant import round_activations_q8
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no CPU kernels here")
-Q4_K, Q6_K = 12, 14
-BLOCK_BYTES = {Q4_K: 144, Q6_K: 210}
+Q4_K, Q5_K, Q6_K = 12, 13, 14
+BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}
 
 
 def random_blocks(type_id: int, rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -31,7 +31,7 @@ def random_blocks(type_id: int, rows: int, cols: int, seed: int) -> torch.Tensor
     rng = np.random.default_rng(seed)
     count = rows * cols // 256
     blocks = rng.integers(0, 256, size=(count, BLOCK_BYTES[type_id]), dtype=np.uint8)
-    for at in ((0, 2) if type_id == Q4_K else (208,)):
+    for at in ((208,) if type_id == Q6_K else (0, 2)):
         scales = (rng.random(count, dtype=np.float32) * 2e-3 + 1e-4).astype(np.float16)
         blocks[:, at:at + 2] = scales.view(np.uint8).reshape(count, 2)
     return torch.from_numpy(blocks.reshape(rows, -1))
@@ -43,7 +43,7 @@ def file_values(raw: torch.Tensor, type_id: int, rows: int, cols: int) -> torch.
     return torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(rows, cols))
 
 
-@pytest.mark.parametrize("type_id", [Q4_K, Q6_K])
+@pytest.mark.parametrize("type_id", [Q4_K, Q5_K, Q6_K])
 def test_packing_keeps_the_files_values_bit_for_bit(type_id) -> None:
     rows, cols = 37, 768  # a partial last group of 8 columns; three super-blocks a row
     raw = random_blocks(type_id, rows, cols, seed=type_id)
@@ -58,11 +58,11 @@ def stacked() -> tuple[list[tuple[int, torch.Tensor, int]], torch.Tensor, torch.
     weight and a bias."""
     k = 512
     segments, weights = [], []
-    for i, (type_id, cols) in enumerate([(Q4_K, 40), (Q6_K, 19), (Q4_K, 8)]):
+    for i, (type_id, cols) in enumerate([(Q4_K, 40), (Q6_K, 19), (Q5_K, 19), (Q4_K, 8)]):
         raw = random_blocks(type_id, cols, k, seed=10 + i)
         segments.append((type_id, w4a8_pack(raw, type_id, cols, k), cols))
         weights.append(file_values(raw, type_id, cols, k))
-    bias = torch.randn(67, generator=torch.Generator().manual_seed(3))
+    bias = torch.randn(86, generator=torch.Generator().manual_seed(3))
     return segments, torch.cat(weights), bias
 
 

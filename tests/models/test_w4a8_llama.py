@@ -1,5 +1,6 @@
 """w4a8 on a Llama-architecture GGUF whose every matrix is a K-quant (Q4_K_M's mix: Q6_K for
-v, down and the tied embedding, Q4_K elsewhere): every linear layer and the embedding come
+v, down and the tied embedding, Q4_K elsewhere, and one Q5_K matrix, up, as Q5_K_M files
+store most of theirs): every linear layer and the embedding come
 from the file's blocks (llama.cpp's q/k row permutation undone on the blocks as on the
 values), a step's logits do not depend on how its tokens were split into steps, match the
 exact float model of the same file to activation rounding, and a prepared-cache load builds
@@ -21,20 +22,21 @@ gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="w4a8 runs on the kernels")
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 512
-Q4_K, Q6_K = 12, 14
+Q4_K, Q5_K, Q6_K = 12, 13, 14
 
 
 def _k_blocks(rng: np.random.Generator, rows: int, cols: int, type_id: int) -> np.ndarray:
     """Random blocks with scales small enough for weights of a few hundredths."""
     count = rows * cols // 256
-    size = 144 if type_id == Q4_K else 210
+    size = {Q4_K: 144, Q5_K: 176, Q6_K: 210}[type_id]
     blocks = rng.integers(0, 256, size=(count, size), dtype=np.uint8)
-    if type_id == Q4_K:
-        blocks[:, 4:16] &= 0x0F  # small six-bit scales and mins
-    else:
+    if type_id == Q6_K:
         blocks[:, 192:208] &= 0x07  # small int8 sub-block scales
-    for at in ((0, 2) if type_id == Q4_K else (208,)):
-        scales = (rng.random(count, dtype=np.float32) * 2e-3 + 5e-4).astype(np.float16)
+    else:
+        blocks[:, 4:16] &= 0x0F  # small six-bit scales and mins
+    span = 1.0 if type_id == Q4_K else 0.5  # Q5_K's and Q6_K's values reach 31 and 63
+    for at in ((208,) if type_id == Q6_K else (0, 2)):
+        scales = (span * (rng.random(count, dtype=np.float32) * 2e-3 + 5e-4)).astype(np.float16)
         blocks[:, at:at + 2] = scales.view(np.uint8).reshape(count, 2)
     return blocks.reshape(rows, -1)
 
@@ -76,7 +78,7 @@ def _write_llama(path: Path, v_type: int) -> Path:
         matrix(f"blk.{i}.attn_output.weight", HIDDEN, HIDDEN, Q4_K)
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
         matrix(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN, Q4_K)
-        matrix(f"blk.{i}.ffn_up.weight", FFN, HIDDEN, Q4_K)
+        matrix(f"blk.{i}.ffn_up.weight", FFN, HIDDEN, Q5_K)
         matrix(f"blk.{i}.ffn_down.weight", HIDDEN, FFN, Q6_K)
     writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
     writer.write_header_to_file()
@@ -104,7 +106,7 @@ def test_every_matrix_and_the_embedding_come_from_the_files_blocks(
     _, model = build_model(k_quant_llama, quantization="w4a8")
     layer = model.model.layers[0]
     assert layer.self_attn.qkv_proj.types == [Q4_K, Q4_K, Q6_K]
-    assert layer.mlp.gate_up_proj.types == [Q4_K, Q4_K]
+    assert layer.mlp.gate_up_proj.types == [Q4_K, Q5_K]
     assert layer.mlp.down_proj.types == [Q6_K]
     assert isinstance(layer.self_attn.o_proj, W4A8Linear)
     embedding = model.model.embed_tokens
