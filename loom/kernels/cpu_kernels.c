@@ -1869,7 +1869,12 @@ static inline __m256i w4_i8x8(const uint8_t *p) {
     return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
 
-#define W4_MAXR 4
+#define W4_MAXR 6
+/* Rows of a prefill tile of Q4_K / Q5_K with AVX-512VL's registers (Q6_K's two accumulators
+ * per output keep 4). */
+#ifndef W4_PREFILL_ROWS
+#define W4_PREFILL_ROWS 6
+#endif
 #define W4_MAXC 2
 /* With AVX-512VL's 32 vector registers, tiles of 4 rows x 2 groups keep their accumulators
  * in registers (AVX2's 16 hold 2 x 2). */
@@ -2077,6 +2082,8 @@ static void w4_tile_any(int64_t type, const W4Act *a, int64_t r0, int R, int64_t
 #if W4_WIDE
     W4_CASE(W4_Q4K, 3, 2) W4_CASE(W4_Q4K, 4, 2) W4_CASE(W4_Q5K, 3, 2) W4_CASE(W4_Q5K, 4, 2)
     W4_CASE(W4_Q6K, 3, 2) W4_CASE(W4_Q6K, 4, 2)
+    W4_CASE(W4_Q4K, 5, 2) W4_CASE(W4_Q4K, 6, 2) W4_CASE(W4_Q5K, 5, 2) W4_CASE(W4_Q5K, 6, 2)
+    W4_CASE(W4_Q4K, 5, 1) W4_CASE(W4_Q4K, 6, 1) W4_CASE(W4_Q5K, 5, 1) W4_CASE(W4_Q5K, 6, 1)
 #endif
 #undef W4_CASE
 }
@@ -2087,7 +2094,8 @@ static void w4_segment_body(int64_t type, const W4Act *a, int64_t m, int64_t k,
                             const uint8_t *w, int64_t n, const float *bias, float *y,
                             int64_t ny) {
     const int64_t groups = (n + COLS - 1) / COLS, pairs = (groups + 1) / 2;
-    const int64_t rows = m == 1 ? 1 : 4, blocks = (m + rows - 1) / rows;
+    const int64_t rows = m == 1 ? 1 : W4_WIDE && w4_has_mins(type) ? W4_PREFILL_ROWS : 4;
+    const int64_t blocks = (m + rows - 1) / rows;
     /* no barrier per segment: segments write their own columns (the caller waits once) */
 #pragma omp for schedule(static) nowait
     for (int64_t task = 0; task < pairs * blocks; task++) {

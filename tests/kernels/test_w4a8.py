@@ -67,7 +67,7 @@ def stacked() -> tuple[list[tuple[int, torch.Tensor, int]], torch.Tensor, torch.
 
 
 @pytest.mark.parametrize("variant", runnable_variants())
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 9, 13])
 def test_every_variant_computes_the_oracles_bits(stacked, variant, rows) -> None:
     segments, _, bias = stacked
     x = 3 * torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
