@@ -1876,8 +1876,8 @@ static inline __m256i w4_i8x8(const uint8_t *p) {
 #define W4_PREFILL_ROWS 6
 #endif
 #define W4_MAXC 2
-/* With AVX-512VL's 32 vector registers, tiles of 4 rows x 2 groups keep their accumulators
- * in registers (AVX2's 16 hold 2 x 2). */
+/* With AVX-512VL's 32 vector registers, tiles of 4 rows (6 for Q4_K / Q5_K) x 2 groups keep
+ * their accumulators in registers (AVX2's 16 hold 2 x 2). */
 #if defined(__AVX512VL__)
 #define W4_WIDE 1
 #else
@@ -1894,7 +1894,7 @@ static inline __attribute__((always_inline)) void w4_tile(
     int C, int64_t n, const float *bias, float *y, int64_t ny, int prefetch) {
     const int64_t nsb = k / W4_SB, nb = k / QBLOCK, rec = w4_record_bytes(type);
     const __m256i low4 = _mm256_set1_epi8(15);
-    /* Q4_K's minimum terms: in the main loop where registers allow (small tiles: decode),
+    /* Q4_K's and Q5_K's minimum terms: in the main loop where registers allow (decode),
      * else in their own pass over the blocks (below); the same operations in the same
      * order either way */
     const int INLINE_MINS = w4_has_mins(type) && R * C <= 2;
@@ -2037,7 +2037,7 @@ static inline __attribute__((always_inline)) void w4_tile(
             }
         }
     }
-    /* Q4_K's minimum terms of larger tiles, in their own pass over the blocks (in order):
+    /* The minimum terms of larger tiles, in their own pass over the blocks (in order):
      * out of the main loop's registers, which the products' accumulators need. */
     for (int c = 0; w4_has_mins(type) && !INLINE_MINS && c < C; c++) {
         for (int64_t s = 0; s < nsb; s++) {
