@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -20,9 +19,13 @@ from loom.models.registry import get_model_class
 from loom.models.tensor_parallel import shard_model
 from loom.models.weight_shard import Shard
 from loom.runner.host_memory import release_freed_memory
-from loom.runner.prepared import load_prepared, prepared_path, read_prepared_config, save_prepared
-
-logger = logging.getLogger("loom")
+from loom.runner.prepared import (
+    load_prepared,
+    prepared_path,
+    read_prepared_config,
+    save_prepared_in_background,
+    wait_for_prepared_writes,
+)
 
 
 def build_model(
@@ -52,6 +55,7 @@ def build_model(
     cache = None
     if source.format == "gguf" and os.environ.get("LOOM_PREPARED_CACHE", "1") != "0":
         cache = prepared_path(source.path, dtype, method.name, method.weight_layout(), shard)
+        wait_for_prepared_writes(cache)  # this process may be writing it
         stored = read_prepared_config(cache)
         if stored is not None:
             stored_config, structure = stored
@@ -92,13 +96,11 @@ def build_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     model = _prepare(model, dtype, method)
     release_freed_memory()
-    if cache is not None:
-        try:
-            embedding = model.model.embed_tokens
-            kind = "int8-blocks" if isinstance(embedding, BlockInt8Embedding) else "dense"
-            save_prepared(cache, model, hf_config, {"embedding": kind, "w4a8_blocks": kept})
-        except OSError as exc:  # a read-only or full cache only costs the next start time
-            logger.warning("could not cache the prepared weights at %s: %s", cache, exc)
+    if cache is not None:  # written while the model runs (see loom.runner.prepared)
+        embedding = model.model.embed_tokens
+        kind = "int8-blocks" if isinstance(embedding, BlockInt8Embedding) else "dense"
+        save_prepared_in_background(cache, model, hf_config,
+                                    {"embedding": kind, "w4a8_blocks": kept})
     return config, _for_inference(model)
 
 

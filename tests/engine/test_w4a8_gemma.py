@@ -125,11 +125,12 @@ def test_a_second_load_reads_the_prepared_weights_and_computes_the_same_bits(
     """The first w4a8 load repacks the file and saves the prepared model; the second builds
     the same layers from that file (no GGUF parsing) and gives the same logits."""
     from loom.runner.loading import build_model
-    from loom.runner.prepared import prepared_path
+    from loom.runner.prepared import prepared_path, wait_for_prepared_writes
 
     monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
     _, first = build_model(gemma_path, quantization="w4a8")
     cache = prepared_path(gemma_path, torch.float32, "w4a8", "packed")
+    wait_for_prepared_writes(cache)  # written on a thread while the model is ready
     assert cache.is_file()
     _, second = build_model(gemma_path, quantization="w4a8")
     assert [type(m) for m in first.modules()] == [type(m) for m in second.modules()]

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from loom.models.block_embedding import BlockInt8Embedding
-from loom.runner import build_model
+from loom.runner import build_model, loading
+from loom.runner.prepared import wait_for_prepared_writes
 
 
 def _state(model) -> dict[str, torch.Tensor]:
@@ -21,12 +22,20 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path / "prepared"
 
 
-def test_warm_start_equals_cold_and_damage_is_rebuilt(gemma_path, gemma_engine, cache_dir):
+def test_warm_start_equals_cold_and_damage_is_rebuilt(gemma_path, gemma_engine, cache_dir,
+                                                       monkeypatch):
     _, cold = build_model(gemma_path, torch.float32, quantization="w8a8")
+    # The cold load wrote its entry on a thread; a second load in this process waits for it
+    # and reads it (it never opens the GGUF file again).
+    with monkeypatch.context() as patch:
+        def no_source(*args, **kwargs):
+            raise AssertionError("the warm load parsed the GGUF file")
+
+        patch.setattr(loading, "load_model_files", no_source)
+        _, warm = build_model(gemma_path, torch.float32, quantization="w8a8")
     entries = list(cache_dir.glob("*.safetensors"))
     assert len(entries) == 1
     entries_size = entries[0].stat().st_size
-    _, warm = build_model(gemma_path, torch.float32, quantization="w8a8")
     cold_state, warm_state = _state(cold), _state(warm)
     assert cold_state.keys() == warm_state.keys()
     for name, tensor in cold_state.items():
@@ -47,6 +56,7 @@ def test_warm_start_equals_cold_and_damage_is_rebuilt(gemma_path, gemma_engine, 
     _, again = build_model(gemma_path, torch.float32, quantization="w8a8")
     assert isinstance(again.model.embed_tokens, BlockInt8Embedding)
     assert torch.equal(again.lm_head.weight_q, cold.lm_head.weight_q)
+    wait_for_prepared_writes()
     rebuilt = list(cache_dir.glob("*.safetensors"))
     assert len(rebuilt) == 1 and rebuilt[0].stat().st_size == entries_size
 
@@ -54,4 +64,5 @@ def test_warm_start_equals_cold_and_damage_is_rebuilt(gemma_path, gemma_engine, 
 def test_switching_the_cache_off_writes_nothing(gemma_path, cache_dir, monkeypatch):
     monkeypatch.setenv("LOOM_PREPARED_CACHE", "0")
     build_model(gemma_path, torch.float32, quantization="int8")
+    wait_for_prepared_writes()
     assert not cache_dir.exists() or not list(cache_dir.glob("*.safetensors"))
