@@ -21,12 +21,14 @@ and the interpreter waits for the thread at exit.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -172,8 +174,17 @@ def load_prepared(path: Path, skeleton: Callable[[], CausalLM],
     return model
 
 
+# A temporary file this old is a write whose process was killed (a write takes seconds).
+_STALE_TMP_S = 3600.0
+
+
 def _prune(folder: Path) -> None:
     entries = sorted(folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime,
                      reverse=True)
     for stale in entries[KEEP:]:
         stale.unlink(missing_ok=True)
+    now = time.time()
+    for tmp in folder.glob("*.tmp"):
+        with contextlib.suppress(OSError):
+            if now - tmp.stat().st_mtime > _STALE_TMP_S:
+                tmp.unlink()
