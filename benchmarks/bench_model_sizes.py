@@ -42,7 +42,6 @@ import os
 import resource
 import shutil
 import struct
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -64,7 +63,6 @@ DEFAULT_CACHE_DIR = Path.home() / ".cache" / "loom" / "bench-models"
 # Folders of Loom's cache the temporary one links to (everything but the prepared weights).
 SHARED_CACHE_FOLDERS = ("kernels", "tokenizers", "verified")
 BANDWIDTH_MIB = 512
-RESULT_PREFIX = "RESULT "
 GIB = 2**30
 
 
@@ -283,23 +281,17 @@ CHILDREN = {"load-loom": child_load_loom, "load-llama": child_load_llama_cpp}
 def child_main(kind: str) -> None:
     """The hidden `--child KIND` entry: read the spec (JSON) from stdin, print one result."""
     out = CHILDREN[kind](json.loads(sys.stdin.read()))
-    print(RESULT_PREFIX + json.dumps(out), flush=True)
+    print(c.RESULT_PREFIX + json.dumps(out), flush=True)
 
 
 def run_child(kind: str, spec: dict[str, Any], env: dict[str, str] | None = None,
               ) -> dict[str, Any]:
     """Run this script as `--child KIND` in a fresh process; its result, plus the wall time
     from launch to exit (RuntimeError with the tail of its stderr when it fails)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind]
-    start = c.now()
-    proc = subprocess.run(cmd, input=json.dumps(spec), capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, check=False)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
-    if proc.returncode != 0 or not lines:
-        tail = proc.stderr.strip()[-600:].replace("\n", " | ")
-        raise RuntimeError(f"exit {proc.returncode}: {tail}")
-    result = json.loads(lines[-1].removeprefix(RESULT_PREFIX))
-    result["process_s"] = round(c.now() - start, 3)
+    result = c.run_result_child(
+        [sys.executable, str(Path(__file__).resolve()), "--child", kind],
+        stdin=json.dumps(spec), env=env)
+    result["process_s"] = round(result["process_s"], 3)
     return result
 
 

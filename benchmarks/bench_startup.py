@@ -19,12 +19,8 @@ start sees). The "warm" figures are the issue's targets: load at most 2 s, peak 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
 import common as c
@@ -76,17 +72,8 @@ text = tok.decode(new[0, ids.shape[1]:])
 
 def run_child(body: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     """One fresh process: its own phase times and peak RSS, plus the wall time seen outside."""
-    code = _CHILD_PRELUDE + body + _CHILD_EPILOGUE
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, check=False)
-    wall = time.perf_counter() - start
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"child failed ({proc.returncode}): {proc.stderr.strip()[-1500:]}")
-    result = json.loads(lines[-1].removeprefix("RESULT "))
-    result["process_s"] = wall
-    return result
+    return c.run_result_child([sys.executable, "-c", _CHILD_PRELUDE + body + _CHILD_EPILOGUE],
+                              env=env)
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:

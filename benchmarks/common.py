@@ -18,6 +18,7 @@ import platform
 import random
 import re
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -75,6 +76,27 @@ def environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = old
+
+
+# A child process of a benchmark prints its result as one line: this prefix, then JSON.
+RESULT_PREFIX = "RESULT "
+
+
+def run_result_child(cmd: Sequence[str], stdin: str | None = None,
+                     env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `cmd` in a fresh process (this environment plus `env`, `stdin` on its input) and
+    return the JSON of the last line it printed after RESULT_PREFIX, with "process_s", the
+    wall time from launch to exit (RuntimeError with the tail of its stderr when it fails)."""
+    start = time.perf_counter()
+    proc = subprocess.run(list(cmd), input=stdin, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, check=False)
+    wall = time.perf_counter() - start
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"child failed ({proc.returncode}): {proc.stderr.strip()[-1500:]}")
+    result = json.loads(lines[-1].removeprefix(RESULT_PREFIX))
+    result["process_s"] = wall
+    return result
 
 
 def now() -> float:
