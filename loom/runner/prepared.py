@@ -66,19 +66,13 @@ _writes: dict[Path, threading.Thread] = {}
 _writes_lock = threading.Lock()
 
 
-def save_prepared(path: Path, model: CausalLM, hf_config: dict[str, Any],
-                  structure: dict[str, Any]) -> None:
-    """Write the model's state (tied tensors once), its config and `structure` (the choices
-    that shaped the module tree from the weights' values, which a warm start cannot see),
-    atomically."""
-    _write(path, *_stored_tensors(model), hf_config, structure)
-
-
 def save_prepared_in_background(path: Path, model: CausalLM, hf_config: dict[str, Any],
                                 structure: dict[str, Any]) -> None:
-    """`save_prepared` on a thread. The tensors are gathered here (later changes to the
-    module tree do not reach the file); a failure to write is logged, as a read-only or full
-    cache only costs the next start time."""
+    """Write the model's state (tied tensors once), its config and `structure` (the choices
+    that shaped the module tree from the weights' values, which a warm start cannot see),
+    atomically, on a thread. The tensors are gathered here (later changes to the module tree
+    do not reach the file); a failure to write is logged, as a read-only or full cache only
+    costs the next start time."""
     tensors, aliases = _stored_tensors(model)
 
     def write() -> None:
