@@ -154,6 +154,7 @@ class ExternalKV:
             ))
             return
         self.num_loaded_tokens += (len(loaded) - len(failed)) * size
+        request.num_cached_tokens += (len(loaded) - len(failed)) * size
         request.ready_ranges = subtract_ranges(request.ready_ranges,
                                                blocks_to_ranges(failed, size))
         request.advance_frontier(request.num_computed_tokens)  # skips a range at the frontier

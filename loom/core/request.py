@@ -90,8 +90,8 @@ class Request:
     hash_block_size: int = 0
     # Tokens up to which prefix-cache queries were counted (hit-rate statistics).
     num_cache_queried_tokens: int = 0
-    # Tokens whose K/V this request took from the prefix cache or from the session it was
-    # forked from instead of computing them.
+    # Tokens whose K/V this request took from the prefix cache, a KV store or the session it
+    # was forked from instead of computing them.
     num_cached_tokens: int = 0
     # The logits of every prompt position are wanted (prompt logprobs): the prompt's chunks
     # yield a row per token, and none of it comes from the prefix cache or a KV store.

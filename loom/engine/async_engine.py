@@ -27,6 +27,7 @@ from loom.engine.hooks import PendingCall
 from loom.engine.input_processor import InputProcessor
 from loom.engine.llm_engine import LLMEngine
 from loom.engine.outputs import OutputAccumulator, RequestOutput
+from loom.engine.session_snapshot import SessionSnapshot
 from loom.engine.sessions import Sample, SessionView
 from loom.errors import (
     InvalidSessionStateError,
@@ -323,6 +324,15 @@ class AsyncLLMEngine:
     async def stop_generation(self, request_id: str) -> bool:
         """End a session's generation segment now (its caller went away); it stays open."""
         return await self._call(self.engine.stop_generation, request_id)
+
+    async def save_session(self, request_id: str) -> SessionSnapshot:
+        """`LLMEngine.save_session`."""
+        return await self._call(self.engine.save_session, request_id)
+
+    async def restore_session(self, snapshot: SessionSnapshot | bytes | str,
+                              session_id: str | None = None) -> str:
+        """`LLMEngine.restore_session`."""
+        return await self._call(self.engine.restore_session, snapshot, session_id)
 
     async def close(self, request_id: str) -> None:
         """Close a session and free its blocks; a caller still reading its outputs (a

@@ -179,9 +179,7 @@ class EngineCore:
                 drafts.append(chunk.token_ids[len(chunk.token_ids) - chunk.num_draft_tokens :])
                 picked.extend(range(at, at + chunk.num_sample_logits))
             else:
-                if seq.is_session:
-                    seq.last_logits = logits[at].clone()
-                self.scheduler.park(seq.request, RequestStatus.PAUSED)
+                self.table.pause(seq, logits[at])
             touched[seq.group_id] = None
         failed: dict[str, str] = {}
         if to_sample:

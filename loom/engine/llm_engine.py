@@ -23,11 +23,13 @@ from loom.engine.input_processor import InputProcessor
 from loom.engine.outputs import RequestOutput
 from loom.engine.promise_sync import PromiseSyncHook
 from loom.engine.resolve import build_engine_parts
+from loom.engine.session_snapshot import SessionSnapshot
+from loom.engine.session_store import PersistedSessions, SessionStore
 from loom.engine.sessions import Sample, SessionManager, SessionView
 from loom.engine.speculation import Speculator
 from loom.engine.stats import EngineStats
 from loom.engine.structured_output import StructuredOutputs
-from loom.errors import InvalidRequestError
+from loom.errors import InvalidRequestError, UnknownRequestError
 from loom.kv_connector import KVConnectorRole, create_connector
 from loom.parallel.executor import TensorParallelExecutor
 from loom.runner.executor import Executor
@@ -73,6 +75,15 @@ class LLMEngine:
         self.sessions = SessionManager(
             self.table, self.inputs, self.core.appender, config.session_ttl_s
         )
+        # With a KV store, sessions are kept beside their blocks and outlive the process.
+        self.session_store: SessionStore | None = None
+        self._persisted: PersistedSessions | None = None
+        store = getattr(self.kv_connector, "store", None)
+        if store is not None and config.kv_cache_spec is not None:
+            self.session_store = SessionStore(
+                store, config.kv_cache_spec.fingerprint, save=config.kv_transfer.is_producer,
+                load=config.kv_transfer.is_consumer)
+            self._persisted = PersistedSessions(self.session_store, self.sessions)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -148,7 +159,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step and return the outputs of the requests it advanced."""
         self.sessions.expire_idle()
-        return self.core.step()
+        outputs = self.core.step()
+        if self._persisted is not None:
+            self._persisted.flush()
+        return outputs
 
     @property
     def last_scheduler_output(self) -> SchedulerOutput | None:
@@ -260,8 +274,37 @@ class LLMEngine:
         return self.sessions.get_session(request_id)
 
     def close(self, request_id: str) -> None:
-        """End a session and free everything it holds."""
+        """End a session and free everything it holds (its stored snapshot too)."""
         self.sessions.close(request_id)
+
+    def save_session(self, request_id: str) -> SessionSnapshot:
+        """The paused session's state (`SessionSnapshot`: tokens, stored logits, sampling
+        and structured-output state; `to_bytes()` for a file), also written to the KV store
+        when one is configured. Its K/V is not in it: a restore takes the blocks from the
+        store where they are held and computes the rest."""
+        fingerprint = self.session_store.fingerprint if self.session_store else None
+        snapshot = self.sessions.snapshot(request_id, fingerprint)
+        if self.session_store is not None:
+            self.session_store.save(snapshot)
+        return snapshot
+
+    def restore_session(self, snapshot: SessionSnapshot | bytes | str,
+                        session_id: str | None = None) -> str:
+        """Open a saved session again, paused (under `session_id`, default its own id), from
+        a `SessionSnapshot`, its bytes, or (a str) the id of a session the KV store keeps;
+        its full blocks come from the prefix cache or the store, the rest is computed by the
+        next steps. Returns the session's id. Sessions a store keeps are also restored on
+        their first use by id, so this is needed only to open one under another id or from
+        bytes."""
+        if isinstance(snapshot, str):
+            found = self.session_store.load(snapshot) if self.session_store else None
+            if found is None:
+                raise UnknownRequestError(f"no stored session {snapshot!r}")
+            snapshot = found
+        elif isinstance(snapshot, bytes | bytearray):
+            snapshot = SessionSnapshot.from_bytes(bytes(snapshot))
+        self.sessions.restore(snapshot, session_id)
+        return snapshot.session_id if session_id is None else session_id
 
     # ---- introspection -----------------------------------------------------------------
 

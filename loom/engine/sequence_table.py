@@ -18,6 +18,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
+
 from loom.core.request import Request, RequestStatus
 from loom.core.scheduler import Scheduler
 from loom.engine.sequence import SequenceState
@@ -63,6 +65,14 @@ class SequenceTable:
         # Groups changed outside a step (a segment stopped by a caller, a join that reached
         # the context limit): their outputs go out with the next step's.
         self.changed_groups: set[str] = set()
+        # Called with a session's sequence when it parks with its last logits stored, and
+        # with (request id, why, was a session) when a group ends: the engine keeps session
+        # snapshots in a KV store through these.
+        self.on_session_paused: list[Callable[[SequenceState], None]] = []
+        self.on_group_ended: list[Callable[[str, str, bool], None]] = []
+        # Asked for an id this process never saw: True when it restored a session by that id
+        # (from a snapshot a KV store kept across a restart), which the lookup then returns.
+        self.restore_missing: Callable[[str], bool] | None = None
 
     # ---- lookups ------------------------------------------------------------------------
 
@@ -94,6 +104,9 @@ class SequenceTable:
         """Every sequence of a live request (its n, then tree children in fork order); a
         clear error for an ended or unknown id."""
         seq_ids = self._groups.get(request_id)
+        if seq_ids is None and request_id not in self._ended and self.restore_missing \
+                and self.restore_missing(request_id):
+            seq_ids = self._groups.get(request_id)
         if seq_ids is None:
             reason = self._ended.get(request_id)
             if reason in ("closed", "expired"):
@@ -202,6 +215,16 @@ class SequenceTable:
         seq.generating = False
         seq.last_logits = None
 
+    def pause(self, seq: SequenceState, logits_row: torch.Tensor) -> None:
+        """A sequence computed its last token without sampling: it parks with its blocks,
+        and a session keeps `logits_row` (the last position's) for `resample` / `resume`."""
+        if seq.is_session:
+            seq.last_logits = logits_row.clone()
+        self.scheduler.park(seq.request, RequestStatus.PAUSED)
+        if seq.is_session:
+            for listener in self.on_session_paused:
+                listener(seq)
+
     def append(self, seq: SequenceState, token_ids: list[int], *, produced: bool) -> None:
         """Append tokens after every token so far; the next steps compute exactly them.
 
@@ -297,6 +320,40 @@ class SequenceTable:
         self.scheduler.add_request(request)
         return True
 
+    def restore_session(self, session_id: str, token_ids: Sequence[int],
+                        num_prompt_tokens: int, params: SamplingParams, *, pinned: bool,
+                        ttl_s: float | None, logits: torch.Tensor | None,
+                        grammar_positions: Sequence[int] | None) -> None:
+        """Open session `session_id` over `token_ids` (the first `num_prompt_tokens` its
+        prompt, the rest its output so far) as a saved one was: paused once the next steps
+        have its K/V (taken from the prefix cache or the KV store where they hold it, else
+        computed), `logits` stored meanwhile, its structured-output matcher fed the tokens
+        at `grammar_positions` again."""
+        self.check_new_id(session_id)
+        tokens = list(token_ids)
+        request = Request(session_id, tokens, num_prompt_tokens=num_prompt_tokens,
+                          pinned=pinned, priority=params.priority)
+        prompt = tokens[:num_prompt_tokens]
+        seq = self._sequence(request, params, group_id=session_id, is_session=True,
+                             ttl_s=ttl_s, prompt_ids=prompt)
+        seq.output_token_ids = tokens[num_prompt_tokens:]
+        seq.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, prompt, skip_special_tokens=params.skip_special_tokens)
+        seq.detokenizer.append_prompt(seq.output_token_ids)
+        seq.start_segment(params, self.device)
+        self.start_segment(seq, None)  # paused once its tokens are computed
+        constraint = params.structured_outputs
+        if grammar_positions is not None and constraint is not None \
+                and self.structured is not None:
+            seq.grammar = self.structured.matcher(session_id, constraint)
+            for position in grammar_positions:
+                seq.grammar.consume(tokens[position], position)
+        seq.last_logits = logits
+        self._seqs[session_id] = seq
+        self._groups[session_id] = [session_id]
+        self._ended.pop(session_id, None)
+        self.scheduler.add_request(request)
+
     def unblock(self, seq_id: str, token_ids: list[int] | None) -> None:
         """Append a blocked sequence's result (they are all it prefills) and let it go on.
 
@@ -316,6 +373,7 @@ class SequenceTable:
 
     def end_group(self, request_id: str, reason: str, status: RequestStatus) -> None:
         """Forget a request and every sequence of it; the scheduler frees their blocks."""
+        was_session = self.is_session_group(request_id)
         for seq_id in self._groups.pop(request_id, []):
             self._seqs.pop(seq_id, None)
             if seq_id in self.scheduler.requests:
@@ -324,3 +382,5 @@ class SequenceTable:
         self._ended[request_id] = reason
         while len(self._ended) > _MAX_REMEMBERED_ENDED:
             self._ended.popitem(last=False)
+        for listener in self.on_group_ended:
+            listener(request_id, reason, was_session)

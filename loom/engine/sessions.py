@@ -20,6 +20,7 @@ from loom.core.request import RequestStatus
 from loom.engine.input_processor import InputProcessor
 from loom.engine.sequence import SequenceState
 from loom.engine.sequence_table import SequenceTable
+from loom.engine.session_snapshot import SessionSnapshot
 from loom.engine.token_appender import TokenAppender
 from loom.errors import (
     InvalidRequestError,
@@ -55,7 +56,8 @@ class SessionView:
     generating: bool
     pinned: bool
     has_logits: bool = False  # the last position's logits are stored (resample can draw)
-    # Tokens whose K/V came from the prefix cache or a forked session, not computed here.
+    # Tokens whose K/V came from the prefix cache, a KV store or a forked session, not
+    # computed here.
     num_cached_tokens: int = 0
 
 
@@ -279,6 +281,43 @@ class SessionManager:
             has_logits=seq.last_logits is not None,
             num_cached_tokens=request.num_cached_tokens,
         )
+
+    def snapshot(self, request_id: str, kv_fingerprint: str | None = None) -> SessionSnapshot:
+        """The paused session's state (see `loom.engine.session_snapshot`); an
+        `InvalidSessionStateError` while it generates."""
+        seq = self._session(request_id)
+        self._require_paused(seq, "save")
+        request = seq.request
+        return SessionSnapshot(
+            session_id=request_id,
+            token_ids=tuple(request.token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            params=seq.params.with_updates(logits_processors=None),
+            pinned=request.pinned,
+            ttl_s=seq.ttl_s,
+            logits=None if seq.last_logits is None else seq.last_logits.to("cpu"),
+            grammar_positions=None if seq.grammar is None else tuple(seq.grammar.positions),
+            kv_fingerprint=kv_fingerprint,
+        )
+
+    def restore(self, snapshot: SessionSnapshot, session_id: str | None = None) -> None:
+        """Open a saved session again (under `session_id`, default its own id): paused, its
+        full blocks taken from the prefix cache or the KV store where they are held, the rest
+        computed by the next steps. Refused (nothing opened) when the id is in use or the
+        tokens do not fit this engine (vocabulary, context length)."""
+        sid = snapshot.session_id if session_id is None else session_id
+        self.table.check_new_id(sid)
+        self.inputs.check_token_ids(sid, snapshot.token_ids)
+        self.inputs.check_length(sid, len(snapshot.token_ids))
+        self.inputs.check_params(sid, snapshot.params)
+        logits = snapshot.logits
+        if logits is not None and logits.shape != (self.inputs.vocab_size,):
+            logits = None  # another vocabulary's row: the step recomputes the last position
+        self.table.restore_session(
+            sid, snapshot.token_ids, snapshot.num_prompt_tokens, snapshot.params,
+            pinned=snapshot.pinned, ttl_s=snapshot.ttl_s,
+            logits=None if logits is None else logits.to(self.table.device),
+            grammar_positions=snapshot.grammar_positions)
 
     def close(self, request_id: str) -> None:
         """End the session and free everything it holds."""

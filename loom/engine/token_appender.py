@@ -205,9 +205,8 @@ class TokenAppender:
             self.scheduler.truncate(seq.request, seq.request.num_tokens)
         seq.end_segment("error")
         self.table.end_segment(seq, RequestStatus.FINISHED_ABORTED)
-        seq.last_logits = logits_row.clone()
         # Every token is computed (the step that produced these logits did it).
-        self.scheduler.park(seq.request, RequestStatus.PAUSED)
+        self.table.pause(seq, logits_row)
 
     def _advance(
         self,

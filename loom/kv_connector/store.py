@@ -29,6 +29,10 @@ class KVStore(Protocol):
         """For each key, whether the store holds it."""
         ...
 
+    def delete(self, key: str) -> None:
+        """Remove the key (nothing when the store lacks it)."""
+        ...
+
 
 class FileStore:
     """One file per key under a folder: `<root>/<fingerprint>/<hash>.safetensors`.
@@ -69,6 +73,10 @@ class FileStore:
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key's file exists."""
         return [self.path(key).is_file() for key in keys]
+
+    def delete(self, key: str) -> None:
+        """Remove the key's file."""
+        self.path(key).unlink(missing_ok=True)
 
 
 class RedisStore:
@@ -111,3 +119,7 @@ class RedisStore:
         for key in keys:
             pipe.exists(key)
         return [bool(n) for n in pipe.execute()]
+
+    def delete(self, key: str) -> None:
+        """DEL the key."""
+        self.client.delete(key)
