@@ -28,6 +28,7 @@ from loom.engine.input_processor import InputProcessor
 from loom.engine.llm_engine import LLMEngine
 from loom.engine.outputs import OutputAccumulator, RequestOutput
 from loom.engine.session_snapshot import SessionSnapshot
+from loom.engine.session_store import SessionStore
 from loom.engine.sessions import Sample, SessionView
 from loom.errors import (
     InvalidSessionStateError,
@@ -57,6 +58,9 @@ class AsyncLLMEngine:
         self._step_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-step")
         # Called with the id of every request the engine ended by itself (an expired session).
         self.on_ended: list[Callable[[str], None]] = []
+        # A session restored from a KV store (on its first use by id) gets its queue.
+        engine.table.on_session_restored.append(
+            lambda session_id: self._queues.setdefault(session_id, asyncio.Queue()))
         # Ids whose add_request waits for the lock: they have a queue but no group yet.
         self._adding: set[str] = set()
 
@@ -171,6 +175,11 @@ class AsyncLLMEngine:
     def max_model_len(self) -> int:
         """The context limit in tokens."""
         return self.engine.config.max_model_len
+
+    @property
+    def session_store(self) -> SessionStore | None:
+        """Where sessions are kept beside their KV blocks (None without a KV store)."""
+        return self.engine.session_store
 
     def is_live(self, request_id: str) -> bool:
         """Whether a request or session by this id is live (paused sessions included)."""

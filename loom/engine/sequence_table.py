@@ -65,10 +65,11 @@ class SequenceTable:
         # Groups changed outside a step (a segment stopped by a caller, a join that reached
         # the context limit): their outputs go out with the next step's.
         self.changed_groups: set[str] = set()
-        # Called with a session's sequence when it parks with its last logits stored, and
-        # with (request id, why, was a session) when a group ends: the engine keeps session
-        # snapshots in a KV store through these.
+        # Called with a session's sequence when it parks with its last logits stored, with a
+        # session's id when one is restored, and with (request id, why, was a session) when
+        # a group ends: the engines keep session snapshots and output queues through these.
         self.on_session_paused: list[Callable[[SequenceState], None]] = []
+        self.on_session_restored: list[Callable[[str], None]] = []
         self.on_group_ended: list[Callable[[str, str, bool], None]] = []
         # Asked for an id this process never saw: True when it restored a session by that id
         # (from a snapshot a KV store kept across a restart), which the lookup then returns.
@@ -353,6 +354,8 @@ class SequenceTable:
         self._groups[session_id] = [session_id]
         self._ended.pop(session_id, None)
         self.scheduler.add_request(request)
+        for listener in self.on_session_restored:
+            listener(session_id)
 
     def unblock(self, seq_id: str, token_ids: list[int] | None) -> None:
         """Append a blocked sequence's result (they are all it prefills) and let it go on.

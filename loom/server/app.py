@@ -40,7 +40,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     app.state.loom = state
     app.state.responses = ResponseService(state, config.response_ttl_s,
                                           config.max_stored_responses)
-    engine.on_ended.append(lambda request_id: state.session_owners.pop(request_id, None))
+    engine.on_ended.append(state.disown_session)
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(session_routes.router)

@@ -10,8 +10,8 @@ only the difference is appended and computed before generating. A template that 
 earlier turns differently once more turns follow (or the closing tokens of a turn cut by
 `max_output_tokens`) only moves the common prefix back. Where the previous session is gone
 (its time to live passed, the server restarted), the conversation is computed afresh from
-its rendered tokens (the prefix cache may still hold them): the same tokens, since a
-token's logits do not depend on how its context reached the cache.
+its rendered tokens (the prefix cache or the KV store may still hold them): the same
+tokens, since a token's logits do not depend on how its context reached the cache.
 
 This module knows no transport: `ResponseService.start` checks a request and starts its
 session, and a `ResponseTurn` yields the Responses API's events (plain dicts, the last one
@@ -21,13 +21,17 @@ return the final response.
 Memory: a stored response keeps its session paused under the engine's policy (least
 recently used idle sessions are evicted, and recomputed when used, when the KV pool is
 needed; `response_ttl_s` closes them) and its messages in a store bounded by count;
-`store=false` keeps nothing once the response is done.
+`store=false` keeps nothing once the response is done. With a KV store configured
+(`--kv-transfer-config`), every finished stored response is also kept there beside the
+blocks: one evicted from memory, or stored before a restart, is read back on use.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -35,6 +39,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from loom.engine.session_store import SessionStore
 from loom.engine.sessions import common_prefix
 from loom.errors import InvalidRequestError, LoomError
 from loom.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -47,9 +52,14 @@ from loom.server.protocol import (
     ResponsesRequest,
     ToolCall,
 )
-from loom.server.state import ServerState
+from loom.server.state import ServerState, key_digest
 from loom.server.tool_calls import ParsedCall
 from loom.server.tools import ToolPlan, plan_tools
+
+logger = logging.getLogger(__name__)
+
+# The kind of record a finished response is kept as in a KV store.
+_RESPONSE_RECORD = "response"
 
 # A message's content parts that carry text (a previous output passed back holds
 # "output_text" parts).
@@ -170,18 +180,50 @@ class StoredResponse:
         return str(self.body["status"])
 
 
-class ResponseStore:
-    """Stored responses by id, least recently used first, at most `max_entries` (the oldest
-    finished one goes, and its session with it)."""
+    def to_bytes(self) -> bytes:
+        """The finished response as JSON for a store (its owner as a digest of the key)."""
+        return json.dumps({
+            "id": self.id, "owner": key_digest(self.owner).decode(), "body": self.body,
+            "messages": [m.model_dump(exclude_none=True) for m in self.messages],
+            "input_items": self.input_items}).encode()
 
-    def __init__(self, max_entries: int) -> None:
+    @classmethod
+    def from_bytes(cls, data: bytes, owner: str) -> StoredResponse | None:
+        """A stored response read back for `owner`; None when it is another key's or the
+        bytes are not one (logged)."""
+        try:
+            record = json.loads(data)
+            if record["owner"] != key_digest(owner).decode():
+                return None
+            return cls(str(record["id"]), owner, record["body"],
+                       [ChatMessage.model_validate(m) for m in record["messages"]],
+                       list(record["input_items"]))
+        except (ValueError, KeyError, TypeError) as error:
+            logger.warning("a stored response cannot be read: %s", error)
+            return None
+
+
+class ResponseStore:
+    """Stored responses by id, least recently used first, at most `max_entries` in memory
+    (the oldest finished one goes, and its session with it). With a KV store (`kept`), every
+    finished response is also kept there: one evicted from memory, or stored before a
+    restart, is read back on use and its conversation continues (its blocks loaded from the
+    store)."""
+
+    def __init__(self, max_entries: int, kept: SessionStore | None = None) -> None:
         self.max_entries = max_entries
+        self.kept = kept
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def get(self, response_id: str, owner: str, param: str | None = None) -> StoredResponse:
         """The response, most recently used now; a 404 naming it when it is unknown, deleted
         or another key's."""
         entry = self._entries.get(response_id)
+        if entry is None and self.kept is not None:
+            data = self.kept.get_record(_RESPONSE_RECORD, response_id)
+            entry = None if data is None else StoredResponse.from_bytes(data, owner)
+            if entry is not None and entry.id == response_id:
+                self._entries[response_id] = entry
         if entry is None or entry.owner != owner:
             what = "previous response" if param == "previous_response_id" else "response"
             raise APIError(404, f"{what} {response_id!r} not found", param=param,
@@ -190,8 +232,11 @@ class ResponseStore:
         return entry
 
     def put(self, entry: StoredResponse) -> list[str]:
-        """Store (or refresh) a response; returns the ids evicted to stay within bounds."""
+        """Store (or refresh) a response; returns the ids evicted from memory to stay within
+        bounds (a finished one stays in the KV store, where there is one)."""
         self._entries[entry.id] = entry
+        if self.kept is not None and entry.status != "in_progress":
+            self.kept.put_record(_RESPONSE_RECORD, entry.id, entry.to_bytes())
         self._entries.move_to_end(entry.id)
         evicted = []
         for rid in list(self._entries):
@@ -207,7 +252,9 @@ class ResponseStore:
         return list(self._entries)
 
     def pop(self, response_id: str) -> StoredResponse | None:
-        """Forget a response."""
+        """Forget a response (in the KV store too)."""
+        if self.kept is not None:
+            self.kept.delete_record(_RESPONSE_RECORD, response_id)
         return self._entries.pop(response_id, None)
 
 
@@ -393,7 +440,7 @@ class ResponseService:
     def __init__(self, state: ServerState, ttl_s: float | None, max_stored: int) -> None:
         self.state = state
         self.ttl_s = ttl_s
-        self.store = ResponseStore(max_stored)
+        self.store = ResponseStore(max_stored, state.engine.session_store)
 
     async def start(self, body: ResponsesRequest, owner: str) -> ResponseTurn:
         """Check the request, render the conversation, and start its session generating

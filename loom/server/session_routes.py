@@ -32,12 +32,11 @@ from loom.server.tools import plan_tools
 router = APIRouter(prefix="/v1/sessions")
 
 
-def _owned(state: ServerState, session_id: str, key: str) -> str:
-    """The session id when `key` owns a live session by that id; else 404 (never telling
-    another key's session from a missing one)."""
-    alive = state.engine.is_live(session_id)
-    if state.session_owners.get(session_id) != key or not alive:
-        if not alive:
+async def _owned(state: ServerState, session_id: str, key: str) -> str:
+    """The session id when `key` owns a live session by that id (restored from the KV store
+    after a restart); else 404 (never telling another key's session from a missing one)."""
+    if not await state.owns_live_session(session_id, key):
+        if not state.engine.is_live(session_id):
             state.session_owners.pop(session_id, None)
         raise APIError(404, f"unknown session {session_id!r}", param="id",
                        code="session_not_found")
@@ -67,13 +66,13 @@ async def create_session(body: SessionCreateRequest, request: Request,
                             f"(--max-sessions-per-key={state.config.max_sessions_per_key}); "
                             "close one first", code="too_many_sessions")
     session_id = f"sess-{uuid.uuid4().hex}"
-    state.session_owners[session_id] = key
+    state.own_session(session_id, key)
     state.opening_sessions.add(session_id)
     try:
         await state.engine.add_request(session_id, prompt, None, session=True, pin=body.pin,
                                        ttl_s=body.ttl_s)
     except BaseException:
-        state.session_owners.pop(session_id, None)
+        state.disown_session(session_id)
         raise
     finally:
         state.opening_sessions.discard(session_id)
@@ -173,7 +172,7 @@ async def generate(session_id: str, body: SessionGenerateRequest, request: Reque
                    key: str = Depends(authenticated)) -> Any:
     """Generate one segment from the session's stored logits, then pause again."""
     state = get_state(request)
-    _owned(state, session_id, key)
+    await _owned(state, session_id, key)
     return await _segment(state, session_id, body, request)
 
 
@@ -182,7 +181,7 @@ async def append(session_id: str, body: SessionAppendRequest, request: Request,
                  key: str = Depends(authenticated)) -> Any:
     """Append text or token ids; with sampling parameters, generate a segment after them."""
     state = get_state(request)
-    _owned(state, session_id, key)
+    await _owned(state, session_id, key)
     if (body.text is None) == (body.token_ids is None):
         raise APIError(400, "give exactly one of text or token_ids", param="text")
     fragment: str | list[int] = body.text if body.text is not None else list(body.token_ids or [])
@@ -204,7 +203,7 @@ async def resample(session_id: str, body: SessionResampleRequest, request: Reque
                    key: str = Depends(authenticated)) -> Any:
     """Draw `n` tokens from the stored logits; the session does not change."""
     state = get_state(request)
-    _owned(state, session_id, key)
+    await _owned(state, session_id, key)
     params = body.sampling_params(max_tokens=1)
     samples = await state.unless_disconnected(
         request, state.engine.resample(session_id, params.with_updates(n=1), body.n))
@@ -217,7 +216,7 @@ async def rewind(session_id: str, body: SessionRewindRequest, request: Request,
                  key: str = Depends(authenticated)) -> Any:
     """Drop the session's last tokens."""
     state = get_state(request)
-    _owned(state, session_id, key)
+    await _owned(state, session_id, key)
     await state.engine.rewind(session_id, body.num_tokens)
     return _view(await state.engine.get_session(session_id))
 
@@ -227,7 +226,7 @@ async def get_session(session_id: str, request: Request,
                       key: str = Depends(authenticated)) -> Any:
     """The session's tokens, text and status."""
     state = get_state(request)
-    _owned(state, session_id, key)
+    await _owned(state, session_id, key)
     return _view(await state.engine.get_session(session_id))
 
 
@@ -236,7 +235,7 @@ async def close_session(session_id: str, request: Request,
                         key: str = Depends(authenticated)) -> Any:
     """Close the session and free its KV."""
     state = get_state(request)
-    _owned(state, session_id, key)
+    await _owned(state, session_id, key)
     await state.engine.close(session_id)
-    state.session_owners.pop(session_id, None)
+    state.disown_session(session_id)
     return {"id": session_id, "object": "session", "deleted": True}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from fastapi import Request
 
 from loom.engine.async_engine import AsyncLLMEngine
 from loom.engine.outputs import RequestOutput
+from loom.errors import LoomError
 from loom.sampling_params import RequestOutputKind, SamplingParams
 from loom.server.errors import APIError
 from loom.server.limits import check_api_key
@@ -25,6 +27,14 @@ T = TypeVar("T")
 RESERVED_TEMPLATE_VARIABLES = frozenset({
     "messages", "add_generation_prompt", "bos_token", "eos_token", "tools",
 })
+
+
+_OWNER_RECORD = "session-owner"
+
+
+def key_digest(key: str) -> bytes:
+    """What the store keeps of an API key: a digest (never the key)."""
+    return hashlib.sha256(f"loom-owner:{key}".encode()).hexdigest().encode()
 
 
 @dataclass(frozen=True)
@@ -85,6 +95,40 @@ class ServerState:
             raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                            code="invalid_api_key")
         return key
+
+    # ---- who owns which session (kept in the KV store, where one is configured) ---------
+
+    def own_session(self, session_id: str, key: str) -> None:
+        """`key` owns the session; with a KV store the owner (a digest of the key) is kept
+        beside the session, so that it is the owner again after a restart."""
+        self.session_owners[session_id] = key
+        store = self.engine.session_store
+        if store is not None:
+            store.put_record(_OWNER_RECORD, session_id, key_digest(key))
+
+    def disown_session(self, session_id: str) -> None:
+        """The session ended: forget its owner (here and in the store)."""
+        if self.session_owners.pop(session_id, None) is not None:
+            store = self.engine.session_store
+            if store is not None:
+                store.delete_record(_OWNER_RECORD, session_id)
+
+    async def owns_live_session(self, session_id: str, key: str) -> bool:
+        """Whether `key` owns a live session by this id; a session a KV store kept across a
+        restart is restored here when its stored owner is `key`."""
+        if self.session_owners.get(session_id) == key and self.engine.is_live(session_id):
+            return True
+        store = self.engine.session_store
+        if session_id in self.session_owners or store is None \
+                or store.get_record(_OWNER_RECORD, session_id) != key_digest(key):
+            return False
+        if not self.engine.is_live(session_id):
+            try:
+                await self.engine.restore_session(session_id)
+            except LoomError:
+                return False
+        self.session_owners[session_id] = key
+        return True
 
     def check_model(self, model: str | None) -> None:
         """404 for a model name this server does not serve (None: the served one)."""
