@@ -9,8 +9,8 @@ the host can do (`HostInfo`), so its rules are tested on any machine. The rules:
   and for float checkpoints, the weights' own dtype (no quantization). `None` (or "none")
   always gives exact dequantised float weights. "w4a8" (the file's Q4_K / Q5_K / Q6_K blocks,
   `loom.models.w4a8`) is only chosen explicitly: it decodes faster than w8a8 on a Q4_K_M
-  file (1.3-1.7x) but its prefill measures 0.94x w8a8's (median per round, a 1.7B shape), and
-  "auto" must not be slower at either (`AUTO_QUANTIZED_GGUF`).
+  file (1.5-1.7x) but its prefill measures 0.88-0.98x w8a8's (median per round, 3B and 1.7B
+  shapes), and "auto" must not be slower at either (`AUTO_QUANTIZED_GGUF`).
 - `dtype="auto"`: on a CPU with the kernels, float32 (their fused decode takes float32
   activations: on an AVX-512 BF16 host it decoded 33 tok/s where a bf16 model managed 19-25);
   on CUDA bfloat16 (float16 without bf16); on a CPU without the kernels, bfloat16 only when
