@@ -10,10 +10,11 @@ from fastapi.responses import JSONResponse, Response
 
 import loom
 from loom.engine.async_engine import AsyncLLMEngine
-from loom.server import openai_routes, response_routes, session_routes
+from loom.server import openai_routes, response_routes, session_routes, session_socket
 from loom.server.errors import install_error_handlers
 from loom.server.limits import BodySizeLimit, JSONBodies
 from loom.server.response_service import ResponseService
+from loom.server.session_service import SessionService
 from loom.server.state import ServerConfig, ServerState
 from loom.tokenizer import ChatTemplate
 
@@ -40,10 +41,12 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     app.state.loom = state
     app.state.responses = ResponseService(state, config.response_ttl_s,
                                           config.max_stored_responses)
+    app.state.sessions = SessionService(state)
     engine.on_ended.append(state.disown_session)
     install_error_handlers(app)
     app.include_router(openai_routes.router)
     app.include_router(session_routes.router)
+    app.include_router(session_socket.router)
     app.include_router(response_routes.router)
 
     @app.get("/health")

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loom.errors import (
@@ -94,6 +95,14 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
             lines.append(f"invalid field {field!r}: {item.get('msg')}")
         param = param or field or None
     return "; ".join(lines) or "invalid request body", param
+
+
+def invalid_body(error: ValidationError) -> APIError:
+    """A body model's validation failure outside a route (a WebSocket message) as the 400
+    an HTTP body gets, naming the field."""
+    message, param = _validation_message(RequestValidationError(
+        [{**item, "loc": ("body", *item.get("loc", ()))} for item in error.errors()]))
+    return APIError(400, message, param=param, code="invalid_value")
 
 
 async def _on_validation(request: Request, error: RequestValidationError) -> JSONResponse:
