@@ -27,7 +27,7 @@ from loom.engine.session_snapshot import SessionSnapshot
 from loom.engine.session_store import PersistedSessions, SessionStore
 from loom.engine.sessions import Sample, SessionManager, SessionView
 from loom.engine.speculation import Speculator
-from loom.engine.stats import EngineStats
+from loom.engine.stats import EngineLoad, EngineStats, StepTimes, read_load
 from loom.engine.structured_output import StructuredOutputs
 from loom.errors import InvalidRequestError, UnknownRequestError
 from loom.kv_connector import KVConnectorRole, create_connector
@@ -346,6 +346,18 @@ class LLMEngine:
             kv_load_failed_tokens=external.num_load_failed_tokens if external else 0,
             kv_saved_blocks=getattr(self.executor.kv_connector, "num_saved_blocks", 0),
         )
+
+    @property
+    def load(self) -> EngineLoad:
+        """Sequences running, waiting, paused and blocked now, and the prompt tokens queued
+        (safe to read while a step runs on another thread)."""
+        scheduler = self.scheduler
+        return read_load(scheduler.running, scheduler.waiting, scheduler.idle)
+
+    @property
+    def step_times(self) -> StepTimes:
+        """The histogram of the steps' forward wall times."""
+        return self.core.step_times
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached KV block hash (running requests keep their KV); later requests

@@ -82,3 +82,38 @@ class StepTimes:
             total += n
             out.append((bound, total))
         return out
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the engine holds now, in sequences (not caller request ids): running, waiting to
+    start or resume, paused sessions, blocked sequences (waiting on children or an event),
+    and the prompt, fragment and recompute tokens not computed yet."""
+
+    num_running: int
+    num_waiting: int
+    num_paused: int
+    num_blocked: int
+    num_queued_prompt_tokens: int
+
+
+def read_load(running: list[Any], waiting: Any, idle: dict[str, Any]) -> EngineLoad:
+    """The load from the scheduler's queues (lists of `Request`), read without the engine's
+    lock: a dict that a concurrent step changes while it is copied is copied again."""
+    from loom.core.request import RequestStatus
+
+    requests: list[Any] = []
+    for _ in range(5):
+        try:
+            requests = list(idle.values())
+            break
+        except RuntimeError:  # dict changed size during iteration (free-threaded builds)
+            continue
+    queued = [*list(waiting), *list(running)]
+    return EngineLoad(
+        num_running=len(running), num_waiting=len(waiting),
+        num_paused=sum(1 for r in requests if r.status == RequestStatus.PAUSED),
+        num_blocked=sum(1 for r in requests if r.status == RequestStatus.BLOCKED),
+        num_queued_prompt_tokens=sum(r.num_uncomputed_tokens for r in queued
+                                     if r.num_uncomputed_tokens > 1),
+    )

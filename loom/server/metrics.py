@@ -42,7 +42,6 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from loom.core.request import Request, RequestStatus
 from loom.engine.llm_engine import LLMEngine
 from loom.engine.stats import EngineStats
 
@@ -95,30 +94,17 @@ class EngineSnapshot:
     step_time_sum_ms: float = 0.0
 
 
-def _idle_requests(idle: dict[str, Request]) -> list[Request]:
-    """A copy of the scheduler's idle requests, safe against a concurrent step."""
-    for _ in range(5):
-        try:
-            return list(idle.values())
-        except RuntimeError:  # dict changed size during iteration (free-threaded builds)
-            continue
-    return []
-
-
 def read_engine(engine: LLMEngine) -> EngineSnapshot:
-    """Read the engine's gauges and counters without its lock (see the module docstring)."""
-    scheduler = engine.scheduler
-    idle = _idle_requests(scheduler.idle)
-    queued = [*list(scheduler.waiting), *list(scheduler.running)]
-    steps = engine.core.step_times
+    """Read the engine's gauges and counters through its API, without its lock (see the
+    module docstring)."""
+    load, steps = engine.load, engine.step_times
     return EngineSnapshot(
-        num_running=len(scheduler.running),
-        num_waiting=len(scheduler.waiting),
-        num_paused=sum(1 for r in idle if r.status == RequestStatus.PAUSED),
-        num_blocked=sum(1 for r in idle if r.status == RequestStatus.BLOCKED),
+        num_running=load.num_running,
+        num_waiting=load.num_waiting,
+        num_paused=load.num_paused,
+        num_blocked=load.num_blocked,
         stats=engine.stats,
-        num_queued_prompt_tokens=sum(r.num_uncomputed_tokens for r in queued
-                                     if r.num_uncomputed_tokens > 1),
+        num_queued_prompt_tokens=load.num_queued_prompt_tokens,
         step_time_buckets=tuple(steps.cumulative()),
         step_time_sum_ms=steps.sum_ms,
     )
