@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 import loom
 from loom.engine.async_engine import AsyncLLMEngine
 from loom.server import openai_routes, response_routes, session_routes, session_socket
+from loom.server.api_docs import document_responses
 from loom.server.errors import install_error_handlers
 from loom.server.limits import BodySizeLimit, JSONBodies
 from loom.server.response_service import ResponseService
@@ -65,7 +66,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
-    _document_errors(app)
+    document_responses(app)
 
     # The last added is the outermost: CORS headers reach every answer, a 413 included.
     app.add_middleware(JSONBodies)
@@ -74,54 +75,3 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])
     return app
-
-
-# What each kind of route answers besides 200, in OpenAI's error body. FastAPI documents a
-# 422 for every body it validates; Loom answers a malformed body with a 400 naming the field.
-_ERRORS_EVERY_ROUTE = {"401": "missing or invalid API key (when --api-key is set)",
-                       "413": "request body over --max-request-body-bytes"}
-_ERRORS_WITH_BODY = {"400": "invalid request: the message names the field",
-                     "404": "unknown model", "503": "the engine could not serve the request"}
-_ERRORS_BY_PREFIX = {
-    "/v1/sessions": {"404": "unknown session (or another key's)",
-                     "409": "the session is in the wrong state (generating)",
-                     "429": "too many open sessions for this key"},
-    "/v1/responses": {"404": "unknown response or previous_response_id",
-                      "409": "the response is still in progress"},
-}
-
-
-def _document_errors(app: FastAPI) -> None:
-    """Make `/openapi.json` say what the server answers: no 422 (a bad body is a 400), and
-    each route's error statuses with OpenAI's error body."""
-    build = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is not None:
-            return app.openapi_schema
-        schema = build()
-        error = {"type": "object", "required": ["error"], "properties": {"error": {
-            "type": "object", "required": ["message", "type"],
-            "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                           "param": {"type": ["string", "null"]},
-                           "code": {"type": ["string", "integer", "null"]}}}}}
-        schema.setdefault("components", {}).setdefault("schemas", {})["Error"] = error
-        for path, operations in schema.get("paths", {}).items():
-            for operation in operations.values():
-                responses = operation.setdefault("responses", {})
-                responses.pop("422", None)
-                errors = dict(_ERRORS_EVERY_ROUTE)
-                if "requestBody" in operation or operation.get("parameters"):
-                    errors.update(_ERRORS_WITH_BODY)
-                for prefix, extra in _ERRORS_BY_PREFIX.items():
-                    if path.startswith(prefix):
-                        errors.update(extra)
-                for status, description in errors.items():
-                    responses.setdefault(status, {
-                        "description": description,
-                        "content": {"application/json": {
-                            "schema": {"$ref": "#/components/schemas/Error"}}}})
-        app.openapi_schema = schema
-        return schema
-
-    app.openapi = openapi  # type: ignore[method-assign]

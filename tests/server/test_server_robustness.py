@@ -864,7 +864,14 @@ def test_schemathesis_no_server_errors(fuzz_server):
     schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, given, settings
     from hypothesis.errors import Unsatisfiable
+    from schemathesis.specs.openapi.checks import (
+        content_type_conformance,
+        response_schema_conformance,
+        status_code_conformance,
+    )
 
+    conformance = [status_code_conformance, content_type_conformance,
+                   response_schema_conformance]
     base = fuzz_server.base_url
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
@@ -903,6 +910,11 @@ def test_schemathesis_no_server_errors(fuzz_server):
                         failures.append(f"{label} {case.path_parameters or ''} "
                                         f"{case.body!r:.500}: {response.status_code} "
                                         f"{response.text[:300]}")
+                    try:  # the answer is what the schema says: status, type, body
+                        case.validate_response(response, checks=conformance)
+                    except Exception as exc:
+                        failures.append(f"{label} {case.body!r:.300}: {response.status_code} "
+                                        f"contradicts the schema: {exc!s:.800}")
 
                 try:
                     run()
@@ -931,5 +943,16 @@ def test_openapi_documents_the_statuses_the_server_answers(server, client):
     assert {"404", "409"} <= statuses[("/v1/responses", "post")]
     error = paths["/v1/chat/completions"]["post"]["responses"]["400"]
     assert error["content"]["application/json"]["schema"]["$ref"].endswith("/Error")
+    # Every route's 200 has a body schema (JSON, and the event stream where it streams).
+    for (path, method), _ in statuses.items():
+        ok = paths[path][method]["responses"]["200"]["content"]
+        assert ok, (path, method)
+        json_schema = ok.get("application/json", {}).get("schema")
+        assert json_schema or "text/plain" in ok, (path, method)
+    chat = paths["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+    assert chat["application/json"]["schema"]["$ref"].endswith("/ChatCompletion")
+    assert "text/event-stream" in chat
+    assert "SessionGeneration" in json.dumps(
+        paths["/v1/sessions/{session_id}/append"]["post"]["responses"]["200"])
     # And the server does answer a malformed body with a 400, not a 422.
     assert_error(client.post("/v1/completions", json={"model": MODEL, "prompt": 5}), 400)
