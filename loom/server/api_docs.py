@@ -106,6 +106,19 @@ class Detokenized(_Body):
     prompt: str
 
 
+class TokenizerInfo(_Body):
+    """`GET /tokenizer_info` (vLLM's)."""
+
+    tokenizer_class: str
+    eos_token: str | None = None
+    bos_token: str | None = None
+    pad_token: str | None = None
+    add_bos_token: bool
+    chat_template: str | None = None
+    model_max_length: int
+    vocab_size: int
+
+
 class Health(_Body):
     status: str
 
@@ -214,6 +227,7 @@ RESPONSES: dict[tuple[str, str], tuple[tuple[type[BaseModel], ...], bool]] = {
     ("get", "/v1/models"): ((ModelList,), False),
     ("post", "/tokenize"): ((Tokenized,), False),
     ("post", "/detokenize"): ((Detokenized,), False),
+    ("get", "/tokenizer_info"): ((TokenizerInfo,), False),
     ("post", "/v1/sessions"): ((SessionCreated,), False),
     ("post", "/v1/sessions/{session_id}/generate"): ((SessionGeneration,), True),
     ("post", "/v1/sessions/{session_id}/append"): ((SessionAppended, SessionGeneration), True),

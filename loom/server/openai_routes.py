@@ -403,6 +403,26 @@ async def tokenize(body: TokenizeRequest, request: Request,
     return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
 
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request, key: str = Depends(authenticated)) -> Any:
+    """vLLM's tokenizer description (what clients that tokenise through the server, such
+    as lm-evaluation-harness's remote tokenizer, read): the special tokens' text, the chat
+    template in use, the context limit."""
+    state = get_state(request)
+    tokenizer = state.tokenizer
+
+    def text(token_id: int | None) -> str | None:
+        return None if token_id is None else tokenizer.convert_ids_to_tokens([token_id])[0]
+
+    template = state.chat_template
+    return {"tokenizer_class": "LoomTokenizer", "eos_token": text(tokenizer.eos_token_id),
+            "bos_token": text(tokenizer.bos_token_id),
+            "pad_token": text(tokenizer.pad_token_id),
+            "add_bos_token": tokenizer.add_bos_token,
+            "chat_template": template.template if template is not None else None,
+            "model_max_length": state.max_model_len, "vocab_size": tokenizer.vocab_size}
+
+
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request,
                      key: str = Depends(authenticated)) -> Any:
