@@ -38,7 +38,8 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        """vLLM's finish_reason string for a terminal status, else None."""
+        """vLLM's finish_reason string for a terminal status, else None: the one mapping
+        from how a sequence ended to what its outputs say (`SequenceState.end_segment`)."""
         return _FINISH_REASONS.get(self)
 
 

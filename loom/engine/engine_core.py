@@ -257,8 +257,7 @@ class EngineCore:
                 continue  # already ended in this step
             for seq in self.table.group(group):
                 if not seq.request.is_finished:
-                    seq.end_segment("error")
-                    self.scheduler.finish(seq.request_id, RequestStatus.FINISHED_ERROR)
+                    self.table.fail(seq)
             outputs += self._outputs_of([group], {group: error})
         return outputs
 

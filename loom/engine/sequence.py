@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loom.core.request import Request
+from loom.core.request import Request, RequestStatus
 from loom.engine.outputs import CompletionOutput, PositionLogprobs
 from loom.engine.structured_output import GrammarMatcher
 from loom.sample import make_generator
@@ -140,9 +140,10 @@ class SequenceState:
             None if params.seed is None else make_generator(params.seed + self.index, device)
         )
 
-    def end_segment(self, reason: str, stop_reason: int | str | None = None) -> None:
-        """The current segment stopped: record why (the engine settles the request)."""
-        self.finish_reason = reason
+    def end_segment(self, status: RequestStatus, stop_reason: int | str | None = None) -> None:
+        """The current segment stopped with this terminal status (its `finish_reason` is the
+        status's: one vocabulary); the table settles the request."""
+        self.finish_reason = status.finish_reason
         self.stop_reason = stop_reason
 
     def append_input(self, token_ids: list[int]) -> None:

@@ -5,7 +5,13 @@ n sequences, or a session, plus the children a request tree forked), each sequen
 a `SequenceState` whose `request` the scheduler holds. Every change to a sequence that the
 scheduler must see goes through here, so the two never disagree:
 
-    add_group -> start_segment / append / fork / truncate -> end_segment -> end_group
+    add_group / fork / fork_session / restore_session
+      -> start_segment / append / truncate / rewind / wake / block / drop_drafts / pause
+      -> end_segment (a terminal RequestStatus, whose finish_reason the outputs carry) / fail
+      -> end_group (why the id ended: finished, failed, aborted, closed, expired)
+
+The engine core drives the scheduler (schedule, update after the step); every other change
+to a sequence's `Request` is one of the methods above.
 
 Invariants: a sequence is in the table iff its group is; its `Request` is in the scheduler
 until it finishes (then only the table remembers it, until the group ends); an ended group's
@@ -205,9 +211,12 @@ class SequenceTable:
             return current
         return self.structured.matcher(seq.group_id or seq.request_id, constraint)
 
-    def end_segment(self, seq: SequenceState, status: RequestStatus) -> None:
-        """The segment stopped (its reason is on `seq`): a plain sequence finishes and frees
-        its blocks; a session keeps its KV and computes its pending token, then parks."""
+    def end_segment(self, seq: SequenceState, status: RequestStatus,
+                    stop_reason: int | str | None = None) -> None:
+        """The segment stopped with a terminal `status` (its finish_reason follows from it;
+        `stop_reason`: the stop token or string): a plain sequence finishes and frees its
+        blocks; a session keeps its KV and computes its pending token, then parks."""
+        seq.end_segment(status, stop_reason)
         if not seq.is_session:
             self.scheduler.finish(seq.request_id, status)
             for listener in self.on_sequence_finished:
@@ -215,6 +224,35 @@ class SequenceTable:
             return
         seq.generating = False
         seq.last_logits = None
+
+    def fail(self, seq: SequenceState) -> None:
+        """End a sequence (a session's too) with FINISHED_ERROR and free its blocks: its
+        request failed (a step or a load that cannot go on)."""
+        seq.end_segment(RequestStatus.FINISHED_ERROR)
+        self.scheduler.finish(seq.request_id, RequestStatus.FINISHED_ERROR)
+
+    def wake(self, seq: SequenceState) -> None:
+        """The sequence has work again (a segment started, tokens to compute)."""
+        self.scheduler.wake(seq.request)
+
+    def block(self, seq: SequenceState) -> None:
+        """Park a sequence that waits on its children or an event, keeping its blocks."""
+        self.scheduler.park(seq.request, RequestStatus.BLOCKED)
+
+    def drop_drafts(self, seq: SequenceState, num_drafts: int = 0) -> None:
+        """Forget the last `num_drafts` (rejected) draft tokens and give back the blocks
+        that held only drafts."""
+        if num_drafts:
+            seq.request.truncate(seq.request.num_tokens - num_drafts)
+        self.scheduler.truncate(seq.request, seq.request.num_tokens)
+
+    def rewind(self, seq: SequenceState, num_tokens: int) -> None:
+        """Cut a paused session to its first `num_tokens` tokens and recompute the new last
+        one (its logits are stored again)."""
+        self.truncate(seq, num_tokens)
+        request = seq.request
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+        self.scheduler.wake(request)
 
     def pause(self, seq: SequenceState, logits_row: torch.Tensor) -> None:
         """A sequence computed its last token without sampling: it parks with its blocks,
@@ -370,7 +408,6 @@ class SequenceTable:
         seq.blocked = False
         self.scheduler.wake(seq.request)
         if seq.request.num_tokens >= self.max_model_len and seq.generating:
-            seq.end_segment("length")
             self.end_segment(seq, RequestStatus.FINISHED_LENGTH)
             self.changed_groups.add(seq.group_id)
 

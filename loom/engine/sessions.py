@@ -156,7 +156,7 @@ class SessionManager:
             failed = self.appender.sample_and_append([seq], seq.last_logits.unsqueeze(0))
             if failed:  # the segment ended at once; the session is as it was
                 raise InvalidRequestError(failed[seq.group_id])
-        self.scheduler.wake(seq.request)
+        self.table.wake(seq)
 
     def stop_generation(self, request_id: str) -> bool:
         """End a generating session's segment now, as a stop condition would (its caller went
@@ -165,7 +165,6 @@ class SessionManager:
         seq = self._session(request_id)
         if not seq.generating or seq.request.is_finished:
             return False
-        seq.end_segment("abort")
         self.table.end_segment(seq, RequestStatus.FINISHED_ABORTED)
         self.table.changed_groups.add(seq.group_id)
         return True
@@ -236,10 +235,7 @@ class SessionManager:
             raise InvalidRequestError(
                 f"session {request_id!r}: can rewind 1..{total - 1} tokens, not {num_tokens}"
             )
-        self.table.truncate(seq, total - num_tokens)
-        request = seq.request
-        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
-        self.scheduler.wake(request)
+        self.table.rewind(seq, total - num_tokens)
 
     def fork(self, request_id: str, new_id: str, num_tokens: int | None = None, *,
              pin: bool = False, ttl_s: float | None = None) -> int:

@@ -130,7 +130,7 @@ class TokenAppender:
                 skip_uniforms(seq.generator, used)
             if draft and seq.request_id in self.scheduler.requests:
                 # Blocks that only held rejected drafts go back to the pool.
-                self.scheduler.truncate(seq.request, seq.request.num_tokens)
+                self.table.drop_drafts(seq)
             first_row += num_rows
         for group, why in self.take_hook_failures().items():
             failed.setdefault(group, why)
@@ -201,10 +201,8 @@ class TokenAppender:
         """End a session's segment whose logits processor raised: its drafts are dropped, it
         takes no token and stays paused with `logits_row` (for `resample` or a `resume`)."""
         if num_drafts:
-            seq.request.truncate(seq.request.num_tokens - num_drafts)
-            self.scheduler.truncate(seq.request, seq.request.num_tokens)
-        seq.end_segment("error")
-        self.table.end_segment(seq, RequestStatus.FINISHED_ABORTED)
+            self.table.drop_drafts(seq, num_drafts)
+        self.table.end_segment(seq, RequestStatus.FINISHED_ERROR)
         # Every token is computed (the step that produced these logits did it).
         self.table.pause(seq, logits_row)
 
@@ -246,22 +244,19 @@ class TokenAppender:
             seq.add_generated(token_id, result.logprobs[first_row + j], dict(top) if top else None)
             if hook_error is not None:
                 self._hook_failed(seq, hook_error)
-                seq.end_segment("error")
-                self.table.end_segment(seq, RequestStatus.FINISHED_ABORTED)
+                self.table.end_segment(seq, RequestStatus.FINISHED_ERROR)
                 return j + 1
             if seq.finish_requested:
-                seq.end_segment("stop", token_id)
-                self.table.end_segment(seq, RequestStatus.FINISHED_STOPPED)
+                self.table.end_segment(seq, RequestStatus.FINISHED_STOPPED, token_id)
                 return j + 1
-            status = check_stop(seq, token_id, self.eos_token_ids, self.max_model_len)
-            if status is None and grammar_done:  # the document is complete: nothing may follow
-                seq.end_segment("stop")
-                status = RequestStatus.FINISHED_STOPPED
-            if status is not None:
-                self.table.end_segment(seq, status)
+            stop = check_stop(seq, token_id, self.eos_token_ids, self.max_model_len)
+            if stop is None and grammar_done:  # the document is complete: nothing may follow
+                stop = RequestStatus.FINISHED_STOPPED, None
+            if stop is not None:
+                self.table.end_segment(seq, *stop)
                 return j + 1
             if seq.blocked and not request.is_finished:
-                self.scheduler.park(request, RequestStatus.BLOCKED)
+                self.table.block(seq)
                 return j + 1
             if request.is_finished:
                 return j + 1
