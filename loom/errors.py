@@ -65,3 +65,8 @@ class KVConnectorError(LoomError):
 class TensorParallelError(LoomError):
     """A tensor-parallel group that cannot start or lost a rank (the message names the rank
     and why); the engine's requests fail with it and its other ranks are stopped."""
+
+
+class EngineShutDownError(LoomError):
+    """The engine was shut down: requests still waiting for outputs end with this, and
+    later calls are refused with it."""

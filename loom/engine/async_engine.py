@@ -31,6 +31,7 @@ from loom.engine.session_snapshot import SessionSnapshot
 from loom.engine.session_store import SessionStore
 from loom.engine.sessions import Sample, SessionView
 from loom.errors import (
+    EngineShutDownError,
     InvalidSessionStateError,
     LoomError,
     SessionClosedError,
@@ -63,6 +64,8 @@ class AsyncLLMEngine:
             lambda session_id: self._queues.setdefault(session_id, asyncio.Queue()))
         # Ids whose add_request waits for the lock: they have a queue but no group yet.
         self._adding: set[str] = set()
+        # Set by `shutdown`: why every later call is refused.
+        self._closed: EngineShutDownError | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
@@ -70,9 +73,31 @@ class AsyncLLMEngine:
         return cls(LLMEngine.from_engine_args(args))
 
     def shutdown(self) -> None:
-        """Release the engine (tensor-parallel workers included) once its event loop has
-        stopped (the server's shutdown): a step in flight finishes first."""
+        """Release the engine (tensor-parallel workers included): a step in flight finishes
+        first; every caller still waiting for outputs gets an `EngineShutDownError`, and
+        later calls are refused with it. Safe after the event loop has stopped (the
+        server's shutdown) and from a coroutine on it."""
+        if self._closed is not None:
+            return
+        closed = self._closed = EngineShutDownError("the engine was shut down")
+        task = self._loop_task
+        loop = task.get_loop() if task is not None else None
+        try:
+            here = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
         self._step_thread.shutdown(wait=True)
+
+        def end() -> None:
+            if task is not None and not task.done():
+                task.cancel()
+            self._fail_all(closed)
+            self._queues.clear()
+
+        if loop is not None and loop is not here and loop.is_running():
+            loop.call_soon_threadsafe(end)  # the waiters live on that loop
+        else:
+            end()
         self.engine.shutdown()
 
     # ---- background loop ------------------------------------------------------------
@@ -83,7 +108,7 @@ class AsyncLLMEngine:
         self._wakeup.set()
 
     async def _run_loop(self) -> None:
-        while True:
+        while self._closed is None:
             if not self.engine.has_unfinished_requests() and not self._step_waiters:
                 self._wakeup.clear()
                 await self._wakeup.wait()
@@ -149,6 +174,8 @@ class AsyncLLMEngine:
                 fut.set_exception(exc)
 
     async def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._closed is not None:
+            raise self._closed
         async with self._lock:
             result = fn(*args, **kwargs)
         self._ensure_loop()
@@ -363,8 +390,15 @@ class AsyncLLMEngine:
             queue.put_nowait(reason)
 
     async def outputs(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Every output of a request as it arrives, until it (or its segment) finishes."""
-        queue = self._queues[request_id]
+        """Every output of a request as it arrives, until it (or its segment) finishes; an
+        error for an id that has no outputs to wait for (unknown, or already ended)."""
+        queue = self._queues.get(request_id)
+        if queue is None:
+            if self._closed is not None:
+                raise self._closed
+            reason = self.engine.ended_reason(request_id)
+            raise UnknownRequestError(f"request {request_id!r} has no outputs to wait for"
+                                      + (f": it has {reason}" if reason else ""))
         while True:
             item = await queue.get()
             if isinstance(item, BaseException):

@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loom.errors import (
     DuplicateRequestError,
+    EngineShutDownError,
     InvalidRequestError,
     InvalidSamplingParamsError,
     InvalidSessionStateError,
@@ -60,6 +61,8 @@ def from_loom_error(error: LoomError) -> APIError:
     """The HTTP form of an engine error: 404 for unknown or closed requests and sessions,
     409 for a session in the wrong state, 400 for bad input."""
     message = str(error)
+    if isinstance(error, EngineShutDownError):
+        return APIError(503, message, code="engine_shut_down")
     if isinstance(error, UnknownRequestError):  # includes SessionClosedError
         return APIError(404, message, code="not_found")
     if isinstance(error, DuplicateRequestError | InvalidSessionStateError):
