@@ -1,10 +1,11 @@
 """Batch invariance in the default mode (DESIGN.md section 5), a property test on every tiny
 architecture: a token's logits are bit-identical whether it was computed in a decode step or
 a prefill chunk of any size, alone or batched with anything, from a prefix-cache hit, after a
-preemption, with speculative drafts, in a fork, or in a session fed in pieces.
+preemption, with speculative drafts, in a fork, in a session fed in pieces, or after a
+fragment appended to a request mid-generation (the seed's `prefill`).
 
 Hypothesis draws a mix of requests (plain greedy, seeded, n=2 forks, sessions appended in
-fragments; prompts of 1-80 tokens, some sharing prefixes, arriving at different steps) and an
+fragments, greedy requests given a fragment after some generated tokens; prompts of 1-80 tokens, some sharing prefixes, arriving at different steps) and an
 engine (token budget 8-128, 192 or 512, prefix cache on or off, a small pool that forces
 preemption or a roomy one, n-gram drafts on or off). Every sequence's tokens and logprobs
 (the sampled token and the top 3), and a paused session's stored logits row, must equal
@@ -48,14 +49,16 @@ GEN_TOKENS = 12
 TOP_LOGPROBS = 3
 MAX_PROMPT = 80
 EXAMPLES = int(os.environ.get("LOOM_INVARIANCE_EXAMPLES", "30"))
-KINDS = ("greedy", "seeded", "fork", "session")
+KINDS = ("greedy", "seeded", "fork", "session", "interject")
 
 
 @dataclass(frozen=True)
 class Req:
     """One request of a scenario. A session's prompt is fed as `fragments` (in order); it
     then generates by `resume` after the last one is computed, or, when `direct`, by passing
-    the sampling parameters with the last fragment."""
+    the sampling parameters with the last fragment. An "interject" request is a plain greedy
+    one that gets `fragments[0]` appended (the seed's `prefill`) once it has generated
+    `after` tokens, and goes on generating after it."""
 
     kind: str
     prompt: tuple[int, ...]
@@ -63,10 +66,11 @@ class Req:
     seed: int = 0
     fragments: tuple[tuple[int, ...], ...] = ()
     direct: bool = False
+    after: int = 0
 
     def params(self) -> SamplingParams:
         """Greedy for plain requests and sessions; seeded sampling for the others."""
-        if self.kind in ("greedy", "session"):
+        if self.kind in ("greedy", "session", "interject"):
             return SamplingParams(temperature=0.0, max_tokens=GEN_TOKENS,
                                   logprobs=TOP_LOGPROBS, ignore_eos=True)
         return SamplingParams(temperature=0.8, seed=self.seed, n=2 if self.kind == "fork" else 1,
@@ -75,6 +79,8 @@ class Req:
     def describe(self) -> str:
         """A short line for failure messages."""
         pieces = f", fragments {[len(f) for f in self.fragments]}" if self.fragments else ""
+        if self.kind == "interject":
+            pieces = f", {len(self.fragments[0])} tokens appended after {self.after} generated"
         how = (", direct" if self.direct else ", resume") if self.kind == "session" else ""
         seed = f", seed {self.seed}" if self.kind in ("seeded", "fork") else ""
         return (f"{self.kind}, prompt {len(self.prompt)} tokens, arrives before step "
@@ -133,9 +139,13 @@ def scenarios(draw) -> Scenario:
             cuts = [c for c in cuts if c < len(prompt)]
             bounds = [0, *cuts, len(prompt)]
             fragments = tuple(prompt[a:b] for a, b in itertools.pairwise(bounds))
+        after = 0
+        if kind == "interject":
+            fragments = (tuple(draw(tokens(draw(st.integers(1, 6))))),)
+            after = draw(st.integers(1, GEN_TOKENS - 1))
         requests.append(Req(kind=kind, prompt=prompt, arrival=draw(st.integers(0, 12)),
                             seed=draw(st.integers(0, 3)), fragments=fragments,
-                            direct=draw(st.booleans())))
+                            direct=draw(st.booleans()), after=after))
     small_pool = draw(st.booleans())
     # Small: 26-40 blocks of 4 (104-160 tokens) hold any one request (<= 80 + 12 + drafts)
     # but not a batch of them, so sequences are preempted and recompute.
@@ -164,7 +174,8 @@ def _reference_engine(folder):
 
 def reference_outputs(folder, prompt: tuple[int, ...], params: SamplingParams) -> list[tuple]:
     """(token ids, logprobs) of each sequence of the request computed alone."""
-    key = ("generate", str(folder), prompt, params.n, params.temperature, params.seed)
+    key = ("generate", str(folder), prompt, params.n, params.temperature, params.seed,
+           params.max_tokens)
     if key not in _REFERENCE:
         engine = _reference_engine(folder)
         rid = f"ref-{len(_REFERENCE)}"
@@ -203,12 +214,15 @@ class _Live:
     output: object = None
 
 
-def run_scenario(folder, scenario: Scenario) -> tuple[dict, dict, object]:
+def run_scenario(folder, scenario: Scenario) -> tuple[dict, dict, object, dict]:
     """Run every request; (request id -> final RequestOutput, session id -> stored logits
-    after its last fragment, engine stats)."""
+    after its last fragment, engine stats, interject request id -> tokens generated before
+    its fragment was appended)."""
     engine = make_engine(folder, **scenario.engine_kwargs())
     outputs: dict[str, object] = {}
     sessions: dict[str, _Live] = {}
+    interjects = {f"r{i}": r for i, r in enumerate(scenario.requests) if r.kind == "interject"}
+    interjected: dict[str, int] = {}
     pending = sorted(enumerate(scenario.requests), key=lambda ir: ir[1].arrival)
     step = 0
     while True:
@@ -250,6 +264,14 @@ def run_scenario(folder, scenario: Scenario) -> tuple[dict, dict, object]:
             break
         for out in engine.step():
             outputs[out.request_id] = out
+        for rid, req in interjects.items():  # the seed's prefill, mid-generation
+            out = outputs.get(rid)
+            if rid in interjected or out is None or out.finished:
+                continue
+            generated = len(out.outputs[0].token_ids)
+            if generated >= req.after:
+                engine.prefill(rid, list(req.fragments[0]))
+                interjected[rid] = generated
         step += 1
         assert step < 20_000, "the scenario did not finish"
         for rid, live in sessions.items():
@@ -260,7 +282,7 @@ def run_scenario(folder, scenario: Scenario) -> tuple[dict, dict, object]:
         outputs[rid] = live.output
     assert engine.kv_pool_all_free
     stats = engine.stats
-    return outputs, {rid: live.logits for rid, live in sessions.items()}, stats
+    return outputs, {rid: live.logits for rid, live in sessions.items()}, stats, interjected
 
 
 def _logprob_diff(got: list[dict], ref: list[dict]) -> float:
@@ -272,13 +294,33 @@ def _logprob_diff(got: list[dict], ref: list[dict]) -> float:
     return diff
 
 
-def compare(folder, scenario: Scenario, outputs: dict, logits: dict) -> list[str]:
+def interjected_reference(folder, req: Req, tokens: list[int], at: int) -> list[tuple]:
+    """What a request that got its fragment after `at` generated tokens must equal: the
+    request alone up to there, then a fresh request over the prompt, those tokens and the
+    fragment (the generated tokens after it)."""
+    fragment = list(req.fragments[0])
+    assert tokens[at:at + len(fragment)] == fragment, "the fragment is not where it was put"
+    params = req.params()
+    alone_tokens, alone_logprobs = reference_outputs(folder, req.prompt, params)[0]
+    fresh_tokens, fresh_logprobs = reference_outputs(
+        folder, (*req.prompt, *tokens[:at], *fragment),
+        params.with_updates(max_tokens=GEN_TOKENS - at))[0]
+    return [(alone_tokens[:at] + fragment + fresh_tokens,
+             alone_logprobs[:at] + fresh_logprobs)]
+
+
+def compare(folder, scenario: Scenario, outputs: dict, logits: dict,
+            interjected: dict) -> list[str]:
     """One line per sequence (or stored logits row) that differs from its reference."""
     problems = []
     for i, req in enumerate(scenario.requests):
         rid = f"r{i}"
         out = outputs[rid]
-        refs = reference_outputs(folder, req.prompt, req.params())
+        if rid in interjected:
+            refs = interjected_reference(folder, req, list(out.outputs[0].token_ids),
+                                         interjected[rid])
+        else:
+            refs = reference_outputs(folder, req.prompt, req.params())
         assert out.error is None, f"{rid}: {out.error}"
         for seq, (ref_tokens, ref_logprobs) in zip(out.outputs, refs, strict=True):
             # A session's output also holds the fragments after its first one.
@@ -312,15 +354,16 @@ def compare(folder, scenario: Scenario, outputs: dict, logits: dict) -> list[str
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_tokens_and_logprobs_do_not_depend_on_the_batch(tiny_models, arch):
     folder, _ = tiny_models[arch]
-    seen = {"preemptions": 0, "hits": 0, "accepted": 0, "sessions": 0, "forks": 0}
+    seen = {"preemptions": 0, "hits": 0, "accepted": 0, "sessions": 0, "forks": 0,
+            "interjections": 0}
 
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
               phases=[Phase.explicit, Phase.generate],
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(scenario=scenarios())
     def check(scenario: Scenario) -> None:
-        outputs, logits, stats = run_scenario(folder, scenario)
-        problems = compare(folder, scenario, outputs, logits)
+        outputs, logits, stats, interjected = run_scenario(folder, scenario)
+        problems = compare(folder, scenario, outputs, logits, interjected)
         kinds = {r.params().temperature == 0 for r in scenario.requests}
         mixed = "" if len(kinds) == 1 else (
             "\n(greedy and sampled rows may share steps here: see also "
@@ -333,6 +376,7 @@ def test_tokens_and_logprobs_do_not_depend_on_the_batch(tiny_models, arch):
         seen["accepted"] += stats.num_accepted_draft_tokens
         seen["sessions"] += sum(len(r.fragments) > 1 for r in scenario.requests)
         seen["forks"] += sum(r.kind == "fork" for r in scenario.requests)
+        seen["interjections"] += len(interjected)
 
     check()
     # The examples really went through what the property is about.
