@@ -16,6 +16,7 @@ import torch
 from loom.core.request import RequestStatus
 from loom.core.scheduler import Scheduler
 from loom.core.scheduler_output import SchedulerOutput
+from loom.engine.calibration import calibrate_step_cost
 from loom.engine.config import EngineArgs, EngineConfig
 from loom.engine.engine_core import EngineCore
 from loom.engine.hooks import HookContext, PendingCall, SequenceHook
@@ -84,6 +85,8 @@ class LLMEngine:
                 store, config.kv_cache_spec.fingerprint, save=config.kv_transfer.is_producer,
                 load=config.kv_transfer.is_consumer)
             self._persisted = PersistedSessions(self.session_store, self.sessions)
+        if config.scheduler.max_step_ms is not None:  # the time budget holds from the start
+            calibrate_step_cost(self)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

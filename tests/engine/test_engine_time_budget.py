@@ -54,3 +54,18 @@ def test_priority_reaches_the_request(tiny_models) -> None:
     engine.add_request("u", prompt_ids(4), SamplingParams(max_tokens=2, priority=-3))
     assert engine.scheduler.requests["u"].priority == -3
     run_to_completion(engine)
+
+
+def test_an_engine_with_a_time_budget_is_calibrated_before_its_first_request(tiny_models):
+    """The cost model is fitted at start-up (a few timed steps), so the first prompt is cut
+    by the time budget too; the calibration leaves nothing behind (no request, no block, no
+    prefix-cache entry) and changes no number."""
+    folder, _ = tiny_models["llama"]
+    engine = make_engine(folder, quantization="w8a8", max_step_ms=100.0)
+    cost = engine.scheduler.cost
+    assert cost.calibrated and cost.per_token > 0
+    assert not engine.has_unfinished_requests() and engine.kv_pool_all_free
+    assert engine.stats.num_cached_kv_blocks == 0
+    assert engine.scheduler._clock() is not None  # the time budget is in effect at once
+    plain = run(make_engine(folder, quantization="w8a8"), [prompt_ids(37, 1)])
+    assert run(engine, [prompt_ids(37, 1)]) == plain
