@@ -21,6 +21,11 @@ time and queues the rest). One server at a time, so they never share the CPU; th
   to Loom's `/v1/completions` (its prefix cache finds what it can), and the whole history
   re-sent to llama.cpp's `/v1/completions` (it reuses the KV of the single previous prompt
   only). Per-turn latency (mean, p99, and by turn index) and total time.
+- Agents beside a long-prompt client (Loom): the live-session agents again while another
+  client keeps sending `--contention-tokens` prompts back to back (`--contention-clients`
+  at once), the agents' appends at the same priority as its prompts ("session-contended")
+  and at a lower value, so first ("session-priority"). What priority buys an agent whose
+  tool result arrives behind someone's long prompt.
 """
 
 from __future__ import annotations
@@ -464,17 +469,35 @@ def compact(row: dict) -> str:
 # ---- workload 2: agents ----------------------------------------------------------------
 
 
+async def long_prompts(server: Server, args: Any, words: Words, client: Any,
+                       done: asyncio.Event, counts: dict[str, int]) -> None:
+    """Another client's long prompts, back to back until `done` (priority 0)."""
+    n = 0
+    while not done.is_set():
+        prompt = words.text(args.contention_tokens, seed=200_000 + n, leading_space=False)
+        n += 1
+        rec = await stream_request(client, "/v1/completions", completion_payload(
+            server.name, args.model, prompt, 4))
+        counts["ok" if rec["ok"] else "failed"] += 1
+
+
 async def agent_loop(server: Server, args: Any, words: Words, mode: str) -> dict[str, Any]:
     """`args.agents` agents at once, `args.turns` turns each; `mode` is "session" (Loom's
     live sessions), "responses" (OpenAI's Responses API, each turn naming the previous
-    response: Loom continues its session) or "resend" (the whole history to
-    `/v1/completions` every turn)."""
+    response: Loom continues its session), "resend" (the whole history to
+    `/v1/completions` every turn), or "session-contended" / "session-priority" (live
+    sessions beside a client sending long prompts; the latter's appends with priority -1)."""
+    contended = mode in ("session-contended", "session-priority")
+    priority = -1 if mode == "session-priority" else 0
+    if contended:
+        mode = "session"
     out = args.agent_output_tokens
     turns: list[list[dict]] = [[] for _ in range(args.turns)]
     created: list[float] = []
     # Each mode its own texts: Loom's prefix cache must not find one mode's blocks in the
     # next (the re-sends on llama.cpp use the same texts as on Loom, in another process).
-    base = {"session": 50_000, "resend": 70_000, "responses": 90_000}[mode]
+    base = {"session": 50_000, "resend": 70_000, "responses": 90_000}[mode] + (
+        10_000 * (1 - priority) if contended else 0)
 
     async def agent(a: int, client: Any) -> None:
         history = words.text(args.agent_prompt_tokens - 1, seed=base + a, leading_space=False)
@@ -492,7 +515,8 @@ async def agent_loop(server: Server, args: Any, words: Words, mode: str) -> dict
                 tool = words.text(args.tool_tokens, seed=base + 1_000 + 100 * a + t)
                 if mode == "session":
                     body = {"text": tool, "max_tokens": out, "min_tokens": out,
-                            "ignore_eos": True, "temperature": 0.0, "stream": True}
+                            "ignore_eos": True, "temperature": 0.0, "stream": True,
+                            "priority": priority}
                     rec = await stream_request(client, f"/v1/sessions/{sid}/append", body,
                                                appended=words.count(tool))
                 elif mode == "responses":
@@ -524,9 +548,19 @@ async def agent_loop(server: Server, args: Any, words: Words, mode: str) -> dict
             if previous is not None:
                 await client.delete(f"/v1/responses/{previous}")
 
+    counts = {"ok": 0, "failed": 0}
     async with new_client(server) as client:
+        done = asyncio.Event()
+        others = [asyncio.ensure_future(long_prompts(server, args, words, client, done, counts))
+                  for _ in range(args.contention_clients if contended else 0)]
+        if others:
+            await asyncio.sleep(0.5)  # the long prompts are under way when agents start
         start = c.now()
-        await asyncio.gather(*(agent(a, client) for a in range(args.agents)))
+        try:
+            await asyncio.gather(*(agent(a, client) for a in range(args.agents)))
+        finally:
+            done.set()
+            await asyncio.gather(*others, return_exceptions=True)
         total = c.now() - start
     flat = [r for turn in turns for r in turn]
     lat = [r["latency_s"] for r in flat]
@@ -548,6 +582,7 @@ async def agent_loop(server: Server, args: Any, words: Words, mode: str) -> dict
                                         / max(sum(r.get("input_tokens", 0) for r in flat), 1),
                                         3) if mode == "responses" else None,
             "output_tok_s": round(sum(r["output_tokens"] for r in flat) / total, 2),
+            "long_prompts_completed": counts["ok"] if contended else None,
             "by_turn": by_turn}
 
 
@@ -674,6 +709,15 @@ def main() -> None:
                         help="tool result appended per turn (default 64, quick 32)")
     parser.add_argument("--agent-output-tokens", type=int, default=None,
                         help="tokens generated per turn (default 32, quick 16)")
+    parser.add_argument("--contention-tokens", type=int, default=1024,
+                        help="the long-prompt client's prompt length (contended agent modes)")
+    parser.add_argument("--contention-clients", type=int, default=2,
+                        help="long prompts in flight at once beside the contended agents")
+    parser.add_argument("--agent-modes", default="session,responses,resend,"
+                        "session-contended,session-priority",
+                        help="Loom's agent workloads, comma-separated")
+    parser.add_argument("--no-completions", action="store_true",
+                        help="agents only (skip the Poisson completions workload)")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="loom serve")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="loom serve")
     parser.add_argument("--max-step-ms", type=float, default=100.0,
@@ -714,11 +758,11 @@ def main() -> None:
     load_start = os.getloadavg()
     results: dict[str, Any] = {}
     started = c.now()
-    results["loom"] = run_server(loom_server(args), args, words,
-                                 ["session", "responses", "resend"])
+    results["loom"] = run_server(loom_server(args), args, words, args.agent_modes.split(","),
+                                 completions=not args.no_completions)
     if llama_cpp_available(args):
         results["llama.cpp"] = run_server(llama_cpp_server(args, n_ctx), args, words,
-                                          ["resend"])
+                                          ["resend"], completions=not args.no_completions)
         if args.llama_cpp_cache:
             results["llama.cpp+cache"] = run_server(llama_cpp_server(args, n_ctx, cache=True),
                                                     args, words, ["resend"],
@@ -779,7 +823,10 @@ def render(result: dict[str, Any]) -> str:
         for mode, x in r.get("agents", {}).items():
             label = {"session": "live session (append)",
                      "responses": "Responses API (previous_response_id)",
-                     "resend": "re-send history (/v1/completions)"}[mode]
+                     "resend": "re-send history (/v1/completions)",
+                     "session-contended": "live session beside long prompts, same priority",
+                     "session-priority": "live session beside long prompts, priority -1",
+                     }[mode]
             arows.append([srv, label, x["total_s"], x["turn_latency_ms_mean"],
                           x["turn_latency_ms_p99"], x["turn_ttft_ms_mean"], x["first_turn_ms"],
                           x["last_turn_ms"], x["last_over_first_turn"], x["output_tok_s"]])
@@ -824,7 +871,10 @@ def render(result: dict[str, Any]) -> str:
             f"{c.fmt(s['sustained_output_tok_s_llama_cpp'])} tok/s, "
             f"{c.fmt(s['sustained_output_tok_s_loom_over_llama_cpp'])}x (target at least 2x).")
     agent_bits = []
-    for key, label in (("loom_responses", "Loom's Responses API"),
+    for key, label in (("loom_session-contended", "An agent beside long prompts"),
+                       ("loom_session-priority", "With priority -1, an agent beside long "
+                                                 "prompts"),
+                       ("loom_responses", "Loom's Responses API"),
                        ("loom_resend", "re-sending to Loom"),
                        ("llama_cpp_resend", "re-sending to llama.cpp"),
                        ("llama_cpp_cache_resend", "re-sending to llama.cpp with its prompt "

@@ -255,7 +255,13 @@ class Scheduler:
         budget too small for one token still makes progress (said once in the log)."""
         if clock is None or self.cost is None:
             return budget
-        tokens = min(budget, self.cost.tokens_within(max(clock), request.num_computed_tokens))
+        # A stream of better priority decoding in this step keeps its pace: a range of worse
+        # priority gets only the share reserved for ranges (so it still progresses).
+        urgent = any(len(c.token_ids) - c.num_draft_tokens == 1
+                     and self.requests[c.request_id].priority < request.priority
+                     for c in out.chunks)
+        left = clock[1] if urgent else max(clock)
+        tokens = min(budget, self.cost.tokens_within(left, request.num_computed_tokens))
         if tokens <= 0 and not out.chunks:
             if not self._warned_tiny_budget:
                 self._warned_tiny_budget = True

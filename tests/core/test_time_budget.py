@@ -100,7 +100,7 @@ def test_priorities_order_admission_then_arrival() -> None:
     s.add_request(Request("second", list(range(100, 110))))
     s.add_request(Request("urgent", list(range(200, 210)), priority=-1))
     order = []
-    for _ in range(4):
+    for _ in range(30):  # beside the urgent stream's decodes the others get 2.5 ms a step
         order += [c.request_id for c in run_step(s).chunks if c.start_pos == 0]
     assert order == ["urgent", "first", "second"]
 
@@ -136,3 +136,18 @@ def test_the_linear_model_fits_measured_steps() -> None:
     assert model.per_token == pytest.approx(0.5, rel=0.02)
     n = model.tokens_within(45.0, 0)
     assert model.chunk_ms(n, 0) <= 45.0 < model.chunk_ms(n + 1, 0)
+
+
+def test_a_better_priority_stream_keeps_its_pace_beside_a_long_prompt() -> None:
+    """While a stream of better (lower) priority decodes, a range of worse priority gets only
+    the share reserved for ranges, not the rest of the step: the stream's steps stay short,
+    and the prompt still progresses."""
+    def step_with(priority: int) -> list[tuple[str, int]]:
+        s = make(FakeCost(fixed=10.0, per_token=1.0), max_step_ms=100.0)
+        s.add_request(Request("agent", [1, 2], priority=priority))
+        run_step(s)  # its prompt; it decodes from now on
+        s.add_request(Request("long", list(range(500))))
+        return [(c.request_id, len(c.token_ids)) for c in run_step(s).chunks]
+
+    assert step_with(0) == [("agent", 1), ("long", 89)]  # 90 ms left, 1 for the decode
+    assert step_with(-1) == [("agent", 1), ("long", 25)]  # the reserved quarter of 100 ms

@@ -5,9 +5,10 @@ preemption, with speculative drafts, in a fork, in a session fed in pieces, or a
 fragment appended to a request mid-generation (the seed's `prefill`).
 
 Hypothesis draws a mix of requests (plain greedy, seeded, n=2 forks, sessions appended in
-fragments, greedy requests given a fragment after some generated tokens; prompts of 1-80 tokens, some sharing prefixes, arriving at different steps) and an
-engine (token budget 8-128, 192 or 512, prefix cache on or off, a small pool that forces
-preemption or a roomy one, n-gram drafts on or off). Every sequence's tokens and logprobs
+fragments, greedy requests given a fragment after some generated tokens; prompts of 1-80
+tokens, some sharing prefixes, arriving at different steps) and an engine (token budget
+8-128, 192 or 512, prefix cache on or off, a small pool that forces preemption or a roomy
+one, n-gram drafts on or off). Every sequence's tokens and logprobs
 (the sampled token and the top 3), and a paused session's stored logits row, must equal
 exactly those of the same request computed alone, with one fresh prefill, by an engine with
 the same arguments but a big budget, no prefix cache and a roomy pool.
