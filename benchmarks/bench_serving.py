@@ -437,14 +437,49 @@ async def warmup(server: Server, model: str, words: Words, seed: int = 999) -> N
                                    f"log tail:\n{server.log_tail()}")
 
 
+def step_histogram(server: Server) -> dict[float, int] | None:
+    """Loom's step-time histogram from `/metrics` (upper bound s -> steps at most that
+    long, cumulative), or None (another server, or no such metric)."""
+    import httpx
+
+    if server.name != "loom":
+        return None
+    try:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    buckets: dict[float, int] = {}
+    for line in text.splitlines():
+        if line.startswith("loom:step_time_seconds_bucket{"):
+            bound = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets[float(bound)] = int(float(line.rsplit(" ", 1)[1]))
+    return buckets or None
+
+
+def steps_over(before: dict[float, int] | None, after: dict[float, int] | None,
+               budget_ms: float) -> dict[str, Any] | None:
+    """The steps of a workload (the histogram's difference) and the share of them longer
+    than 1.5x the time budget (the bucket bound at or above it)."""
+    if not before or not after or not budget_ms:
+        return None
+    bound = min(b for b in after if b * 1e3 >= 1.5 * budget_ms)
+    total = after[float("inf")] - before.get(float("inf"), 0)
+    within = after[bound] - before.get(bound, 0)
+    return {"steps": total, "over_ms": round(bound * 1e3),
+            "share_over": round((total - within) / total, 3) if total else None}
+
+
 def completions_workload(server: Server, args: Any, words: Words) -> dict[str, Any]:
     """Every rate, one after another, on one server."""
     rows: dict[str, Any] = {}
     for i, rate in enumerate(args.rates):
         prompts = [words.text(args.input_tokens - 1, seed=10_000 * (i + 1) + j,
                               leading_space=False) for j in range(args.num_prompts)]
+        before = step_histogram(server)
         row = asyncio.run(run_rate(server, args.model, prompts, args.output_tokens, rate,
                                    seed=rate_seed(i)))
+        # The cost model's chunks against the budget: steps over 1.5x it (Loom only).
+        row["step_times"] = steps_over(before, step_histogram(server), args.max_step_ms)
         row["rate"] = rate_name(rate)
         rows[rate_name(rate)] = row
         c.log(f"{server.name} rate {rate_name(rate)}: {compact(row)}")
@@ -463,7 +498,9 @@ def compact(row: dict) -> str:
     """A one-line progress summary of a rate's row."""
     keys = ("completed", "failed", "duration_s", "output_tok_s", "ttft_ms_p50", "ttft_ms_p99",
             "tpot_ms_p50", "itl_ms_p99")
-    return ", ".join(f"{k}={row[k]}" for k in keys)
+    steps = row.get("step_times") or {}
+    return ", ".join(f"{k}={row[k]}" for k in keys) + (
+        f", steps over {steps['over_ms']} ms: {steps['share_over']}" if steps else "")
 
 
 # ---- workload 2: agents ----------------------------------------------------------------
