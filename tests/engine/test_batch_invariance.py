@@ -8,8 +8,8 @@ Hypothesis draws a mix of requests (plain greedy, seeded, n=2 forks, sessions ap
 fragments, greedy requests given a fragment after some generated tokens; prompts of 1-80
 tokens, some sharing prefixes, arriving at different steps) and an engine (token budget
 8-128, 192 or 512, prefix cache on or off, a small pool that forces preemption or a roomy
-one, n-gram drafts on or off). Every sequence's tokens and logprobs
-(the sampled token and the top 3), and a paused session's stored logits row, must equal
+one, n-gram drafts on or off, a time budget per step or none). Every sequence's tokens and
+logprobs (the sampled token and the top 3), and a paused session's stored logits row, must equal
 exactly those of the same request computed alone, with one fresh prefill, by an engine with
 the same arguments but a big budget, no prefix cache and a roomy pool.
 
@@ -97,6 +97,9 @@ class Scenario:
     num_kv_blocks: int
     num_drafts: int  # 0: no speculative decoding
     requests: tuple[Req, ...] = field(default_factory=tuple)
+    # A time budget per step (None: tokens alone): chunks are cut by the measured cost
+    # model, so where they fall depends on the host's timing; the numbers must not.
+    max_step_ms: float | None = None
 
     def engine_kwargs(self) -> dict:
         """EngineArgs fields of the scenario's engine."""
@@ -105,12 +108,13 @@ class Scenario:
             "prompt_lookup_min": 1}
         return dict(**DEFAULT_MODE, block_size=BLOCK_SIZE, max_num_batched_tokens=self.budget,
                     enable_prefix_caching=self.prefix_cache, num_kv_blocks=self.num_kv_blocks,
-                    speculative_config=spec)
+                    speculative_config=spec, max_step_ms=self.max_step_ms)
 
     def describe(self) -> str:
         """The engine's arguments and the requests, one per line."""
         lines = [f"engine: budget {self.budget}, prefix cache {self.prefix_cache}, "
-                 f"{self.num_kv_blocks} KV blocks of {BLOCK_SIZE}, drafts {self.num_drafts}"]
+                 f"{self.num_kv_blocks} KV blocks of {BLOCK_SIZE}, drafts {self.num_drafts}, "
+                 f"time budget {self.max_step_ms} ms"]
         lines += [f"  r{i}: {r.describe()}" for i, r in enumerate(self.requests)]
         return "\n".join(lines)
 
@@ -155,7 +159,8 @@ def scenarios(draw) -> Scenario:
     budget = draw(st.one_of(st.integers(8, 128), st.sampled_from([192, 512])))
     return Scenario(budget=budget, prefix_cache=draw(st.booleans()),
                     num_kv_blocks=blocks, num_drafts=draw(st.sampled_from([0, 0, 2, 4])),
-                    requests=tuple(requests))
+                    requests=tuple(requests),
+                    max_step_ms=draw(st.sampled_from([None, None, 2.0, 10.0])))
 
 
 # ---- the reference: each request alone, one fresh prefill, in one engine per model ------------
@@ -356,7 +361,7 @@ def compare(folder, scenario: Scenario, outputs: dict, logits: dict,
 def test_tokens_and_logprobs_do_not_depend_on_the_batch(tiny_models, arch):
     folder, _ = tiny_models[arch]
     seen = {"preemptions": 0, "hits": 0, "accepted": 0, "sessions": 0, "forks": 0,
-            "interjections": 0}
+            "interjections": 0, "time budgets": 0}
 
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
               phases=[Phase.explicit, Phase.generate],
@@ -378,6 +383,7 @@ def test_tokens_and_logprobs_do_not_depend_on_the_batch(tiny_models, arch):
         seen["sessions"] += sum(len(r.fragments) > 1 for r in scenario.requests)
         seen["forks"] += sum(r.kind == "fork" for r in scenario.requests)
         seen["interjections"] += len(interjected)
+        seen["time budgets"] += scenario.max_step_ms is not None
 
     check()
     # The examples really went through what the property is about.
