@@ -9,12 +9,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
 from engine.helpers import make_engine, prompt_ids, settle_session
 
-from loom import SamplingParams
+from loom import SamplingParams, StructuredOutputsParams
 from loom.engine.session_snapshot import SessionSnapshot, SessionSnapshotError
 from loom.errors import InvalidSessionStateError, SessionClosedError, UnknownRequestError
 from loom.kv_connector import KVTransferConfig
@@ -115,7 +116,7 @@ def test_snapshot_bytes_restore_in_another_process(tiny_models, tmp_path):
         import sys, torch
         sys.path.insert(0, {str(tmp_path.parent)!r})
         from engine.helpers import make_engine, prompt_ids, settle_session
-        from loom import SamplingParams
+        from loom import SamplingParams, StructuredOutputsParams
         engine = make_engine({str(folder)!r}, quantization="w8a8", enable_prefix_caching=False)
         sid = engine.restore_session(open({str(path)!r}, "rb").read())
         engine.append(sid, prompt_ids(3, 2), SamplingParams(temperature=0.0, max_tokens=5,
@@ -167,3 +168,46 @@ def test_restore_under_another_id_and_refusals(tiny_models):
         engine.save_session("chat")
     engine.close("copy")
     assert engine.kv_pool_all_free
+
+
+def test_a_constrained_document_and_expiry_across_a_restart(tiny_models, tmp_path):
+    """A segment cut by max_tokens in the middle of a JSON document: after a restart the
+    session goes on with the same constraint from where its matcher was (its consumed
+    positions are restored), and the document equals one long run's. An expired session's
+    snapshot is forgotten."""
+    folder, _ = tiny_models["qwen2"]
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 99999},
+                                               "b": {"type": "array", "maxItems": 6,
+                                                     "items": {"enum": [1, 2, 3]}}},
+              "required": ["a", "b"], "additionalProperties": False}
+    constraint = StructuredOutputsParams(json=schema)
+    whole = engine_on(folder, None)
+    whole.add_request("w", prompt_ids(7), SamplingParams(
+        temperature=0.0, max_tokens=80, structured_outputs=constraint))
+    while whole.has_unfinished_requests():
+        for out in whole.step():
+            document = out.outputs[0]
+    assert document.finish_reason == "stop"
+
+    config = files_store(tmp_path)
+    first = engine_on(folder, config)
+    first.add_request("s", prompt_ids(7), session=True)
+    settle_session(first, "s")
+    first.resume("s", SamplingParams(temperature=0.0, max_tokens=6,
+                                     structured_outputs=constraint))
+    settle_session(first, "s")
+    second = engine_on(folder, config)  # the restart
+    second.resume("s", SamplingParams(temperature=0.0, max_tokens=80,
+                                      structured_outputs=constraint))
+    settle_session(second, "s")
+    assert list(second.get_session("s").token_ids)[7:] == list(document.token_ids)
+    second.close("s")
+
+    third = engine_on(folder, config)
+    third.add_request("t", prompt_ids(5), session=True, ttl_s=0.001)
+    settle_session(third, "t")
+    assert third.session_store.load("t") is not None
+    time.sleep(0.01)
+    third.step()  # expires it
+    assert not third.table.is_live("t") and third.session_store.load("t") is None
+    assert third.kv_pool_all_free
