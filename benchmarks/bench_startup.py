@@ -2,7 +2,8 @@
 
 Every `loom generate` and every `loom serve` restart pays this. Each system runs in a fresh
 Python process per repeat, which times its own phases and reports its peak resident memory
-(`ru_maxrss`, so every byte ever resident counts, even briefly):
+(VmHWM, its own high-water mark, so every byte ever resident counts, even briefly;
+`ru_maxrss` where /proc is missing, which can carry the launching process's mark):
 
 - imports: the library's own import (`import loom` with its engine modules and torch,
   `import llama_cpp`, `import torch, transformers`);
@@ -37,6 +38,11 @@ t0 = time.perf_counter()
 _CHILD_EPILOGUE = """
 t3 = time.perf_counter()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+try:  # VmHWM: this process's own high-water mark (ru_maxrss can carry the parent's)
+    peak = [int(line.split()[1]) / 1024 for line in open("/proc/self/status")
+            if line.startswith("VmHWM:")][0]
+except (OSError, IndexError):
+    pass
 print("RESULT " + json.dumps({"imports_s": t1 - t0, "load_s": t2 - t1,
       "first_token_s": t3 - t2, "peak_rss_mb": peak, "text": text}), flush=True)
 """
