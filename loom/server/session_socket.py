@@ -67,6 +67,11 @@ class _Socket:
         await self.send({"type": "error", "ref": ref, "status": error.status,
                          **error_body(error.status, error.message, error.param, error.code)})
 
+    async def _report(self, ref: Any, error: APIError) -> None:
+        """An error event, unless the client has gone."""
+        with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+            await self.send_error(ref, error)
+
     def _stream(self, run: SegmentRun, ref: Any) -> None:
         async def stream() -> None:
             try:
@@ -74,7 +79,13 @@ class _Socket:
                     kind = event["object"].removeprefix("session.")
                     await self.send({"type": kind, "ref": ref, **event})
             except APIError as error:
-                await self.send_error(ref, error)
+                await self._report(ref, error)
+            except WebSocketDisconnect:
+                pass  # the client left mid-segment: leaving the iteration stopped it
+            except Exception as error:  # a failed step: the client hears of it
+                await self._report(ref, APIError(
+                    503, f"the engine failed: {type(error).__name__}: {error}",
+                    code="request_failed"))
 
         self.segment = asyncio.ensure_future(stream())
 
