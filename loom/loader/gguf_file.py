@@ -129,12 +129,12 @@ def iter_gguf_weights(
     read and dequantised alone (each row of a quantised tensor is its own blocks).
 
     `keep_blocks(hf_name, type_id, blocks)` is offered every quantised 2-D tensor before it
-    is yielded; `blocks()` copies its file blocks as uint8 [rows, bytes per row], rows in the
-    order of the yielded tensor (q/k rows un-permuted as its values are), so a tensor the
-    hook does not keep is never copied. Where it returns
-    True (the caller computes from the blocks and never reads the values) the tensor is
-    yielded as uninitialised storage of its shape: no dequantising, and no memory until
-    something writes it."""
+    is yielded; `blocks()` copies its whole file blocks as uint8 [rows, bytes per row], rows
+    in the order of the yielded tensor (q/k rows un-permuted as its values are), so a tensor
+    the hook does not keep is never copied (a tensor-parallel rank's hook cuts its part).
+    Where it returns True (the caller computes from the blocks and never reads the values)
+    the tensor, or the part `select` names, is yielded as uninitialised storage of its
+    shape: no dequantising, and no memory until something writes it."""
     arch = gguf_architecture(reader)
     for tensor in reader.tensors:
         hf_name = gguf_to_hf_name(arch, tensor.name)
@@ -158,7 +158,10 @@ def iter_gguf_weights(
             if keep_blocks(hf_name, int(tensor.qtype), blocks):
                 del raw
                 reader.release(tensor)
-                yield hf_name, torch.empty(tuple(tensor.shape), dtype=dtype or torch.float32)
+                shape = list(tensor.shape)
+                if rule is not None and not rule.first_rank_only:  # a rank's part of it
+                    shape[rule.dim] = rule.stop - rule.start
+                yield hf_name, torch.empty(tuple(shape), dtype=dtype or torch.float32)
                 continue
         if rule is not None and rule.dim == 0 and not rule.first_rank_only and not permuted:
             start, stop = rule.span(tensor.shape[0])

@@ -37,6 +37,7 @@ from loom.models.w4a8 import (
     W4A8Embedding,
     W4A8Linear,
     computable,
+    shard_blocks,
 )
 from loom.models.weight_shard import Shard
 
@@ -136,7 +137,9 @@ class W4A8Method(W8A8Method):
 
     name = "w4a8"
     needs_cpu_kernels = True
-    shards = False  # a rank would keep only its rows' blocks: not built yet
+    # A tensor-parallel rank keeps only its part of each tensor's blocks: its rows, or its
+    # columns where they fall on super-block boundaries (else its part of the values, w8a8).
+    shards = True
 
     def blocks_hook(self, built: list[CausalLM], kept: dict[str, int]) -> BlocksHook:
         """The file blocks of every tensor the kernel computes are kept on the module that
@@ -155,7 +158,20 @@ class W4A8Method(W8A8Method):
             owner = model.get_submodule(owner_name)
             if not computable(type_id, int(owner.weight.shape[1])):
                 return False
-            setattr(owner, BLOCKS_ATTRIBUTE, GGUFBlocks(type_id, blocks()))
+            raw = blocks()
+            rule = model.weight_shards.get(name)
+            if rule is not None:  # a tensor-parallel rank: its part of the blocks only
+                part = shard_blocks(raw, type_id, rule)
+                if part is None:
+                    return False
+                raw = part
+            elif name == "model.embed_tokens.weight" and model.lm_head_from_embedding:
+                # A rank's slice of a tied output projection: its rows of these blocks
+                # (the loader then gives it no values, and it is prepared as it fills).
+                head = shard_blocks(raw, type_id, model.weight_shards["lm_head.weight"])
+                setattr(model.lm_head, BLOCKS_ATTRIBUTE, GGUFBlocks(type_id, head))
+                kept["lm_head"] = type_id
+            setattr(owner, BLOCKS_ATTRIBUTE, GGUFBlocks(type_id, raw))
             kept[owner_name] = type_id
             # Every module that holds computable blocks is built from them, or (a stack with
             # a part the kernel cannot compute) has its values decoded from them.

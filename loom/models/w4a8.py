@@ -36,9 +36,10 @@ from loom.kernels import (
     w4a8_packed_shape,
     w4a8_rows,
 )
-from loom.kernels.cpu_ops import W4A8_SUPER_BLOCK
+from loom.kernels.cpu_ops import GGUF_C_BLOCK_TYPES, W4A8_SUPER_BLOCK
 from loom.models.layers import stacked_bias
 from loom.models.quant import round_activations_q8
+from loom.models.weight_shard import ShardRule
 
 # The attribute of an nn.Linear (or the embedding of a tied model) that holds its tensor's
 # file blocks while the model loads (set by the loader's `keep_blocks` hook).
@@ -50,6 +51,23 @@ class GGUFBlocks(NamedTuple):
 
     type_id: int
     raw: torch.Tensor
+
+
+def shard_blocks(raw: torch.Tensor, type_id: int, rule: ShardRule) -> torch.Tensor | None:
+    """A tensor-parallel rank's part of a tensor's file blocks (uint8 [rows, bytes per
+    row]): rows [start, stop) (zero blocks past the end: zero weights), or columns
+    [start, stop) where both fall on super-block boundaries; None where the part does not
+    split the blocks (the rank then computes from its part of the values)."""
+    if rule.first_rank_only:
+        return None
+    if rule.dim == 0:
+        start, stop = rule.span(raw.shape[0])
+        return rule.pad(raw[start:stop])
+    block_bytes, block_values = GGUF_C_BLOCK_TYPES[type_id]
+    if rule.start % W4A8_SUPER_BLOCK or rule.stop % W4A8_SUPER_BLOCK:
+        return None
+    return raw[:, rule.start // block_values * block_bytes:
+               rule.stop // block_values * block_bytes].contiguous()
 
 
 def computable(blocks: GGUFBlocks | int | None, in_features: int) -> bool:

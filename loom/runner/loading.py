@@ -73,8 +73,9 @@ def build_model(
                 return config, _for_inference(model)
     built: list[CausalLM] = []  # the model, for the blocks hook (which runs while it loads)
     kept: dict[str, int] = {}  # module -> the type of the blocks it was given (w4a8)
+    keep_blocks = method.blocks_hook(built, kept)
     hf_config, weights, _ = load_model_files(
-        source.path, dtype=method.load_dtype(dtype), keep_blocks=method.blocks_hook(built, kept))
+        source.path, dtype=method.load_dtype(dtype), keep_blocks=keep_blocks)
     model_cls, config = model_architecture(hf_config)
     # Construct without allocating or initialising; each parameter is allocated as its tensor
     # arrives from the file, and each layer is prepared as soon as its last one has.
@@ -83,7 +84,8 @@ def build_model(
     built.append(model)
     if model.weight_shards:  # a rank's shard: read only its parts of the tensors
         weights = load_model_files(source.path, dtype=method.load_dtype(dtype),
-                                   select=model.weight_selector()).weights
+                                   select=model.weight_selector(),
+                                   keep_blocks=keep_blocks).weights
     _allocate_buffers(model, device)
     layers = _LayerPreparer(model, dtype, method)
     try:

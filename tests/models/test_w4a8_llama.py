@@ -154,3 +154,44 @@ def test_a_stack_with_a_part_the_kernel_cannot_compute_is_w8a8_of_the_files_valu
         assert torch.equal(a.self_attn.qkv_proj.weight_q, b.self_attn.qkv_proj.weight_q)
         assert torch.equal(a.self_attn.qkv_proj.scales, b.self_attn.qkv_proj.scales)
         assert isinstance(a.mlp.gate_up_proj, W4A8Linear)
+
+
+def test_a_tensor_parallel_rank_keeps_only_its_part_of_the_blocks(k_quant_llama, tmp_path,
+                                                                   monkeypatch) -> None:
+    """Each of two ranks computes from its own rows of q/k/v, gate/up and the (tied) output
+    projection, and from its own columns of down_proj, cut from the file's blocks: the same
+    weights as the exact float model's slices, bit for bit. o_proj's half of 256 columns
+    does not fall on a super-block boundary, so that rank computes its part of the values
+    in w8a8 instead."""
+    from loom.models.quant import Int8Linear
+    from loom.models.w4a8 import W4A8Linear
+    from loom.models.weight_shard import Shard
+
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
+    _, exact = build_model(k_quant_llama, quantization=None)
+    full_layer = exact.model.layers[0]
+    qkv = full_layer.self_attn.qkv_proj.weight
+    q_rows, kv_rows = HIDDEN, KV_HEADS * HIDDEN // HEADS
+    for rank in (0, 1):
+        for warm in (False, True):  # built from the file, then from its prepared cache
+            _, model = build_model(k_quant_llama, quantization="w4a8", shard=Shard(rank, 2))
+            layer = model.model.layers[0]
+            q = qkv[:q_rows][rank * q_rows // 2:(rank + 1) * q_rows // 2]
+            k = qkv[q_rows:q_rows + kv_rows][rank * kv_rows // 2:(rank + 1) * kv_rows // 2]
+            v = qkv[q_rows + kv_rows:][rank * kv_rows // 2:(rank + 1) * kv_rows // 2]
+            assert torch.equal(layer.self_attn.qkv_proj.dequantized_weight(),
+                               torch.cat([q, k, v])), (rank, warm)
+            gate_up = full_layer.mlp.gate_up_proj.weight
+            half = FFN // 2
+            assert torch.equal(layer.mlp.gate_up_proj.dequantized_weight(), torch.cat([
+                gate_up[:FFN][rank * half:(rank + 1) * half],
+                gate_up[FFN:][rank * half:(rank + 1) * half]]))
+            down = layer.mlp.down_proj
+            assert isinstance(down, W4A8Linear) and torch.equal(
+                down.dequantized_weight(),
+                full_layer.mlp.down_proj.weight[:, rank * half:(rank + 1) * half])
+            assert isinstance(layer.self_attn.o_proj, Int8Linear)  # 128 columns: values
+            head = model.lm_head
+            assert isinstance(head, W4A8Linear) and torch.equal(
+                head.dequantized_weight(),
+                exact.lm_head.weight[rank * VOCAB // 2:(rank + 1) * VOCAB // 2])
