@@ -29,10 +29,16 @@ def test_every_mode_name_is_one_method_and_the_cli_offers_them_all() -> None:
 
 def test_a_method_names_where_it_cannot_run(monkeypatch) -> None:
     w4a8 = get_quant_method("w4a8")
-    with pytest.raises(ValueError, match="'w4a8' does not shard"):
-        w4a8.check(Shard(0, 2))
+
+    class Unsharded(quant_method.QuantMethod):
+        name = "unsharded"
+        shards = False
+
+    with pytest.raises(ValueError, match="'unsharded' does not shard"):
+        Unsharded().check(Shard(0, 2))
+    Unsharded().check(Shard(0, 1))  # one rank is the whole model
     get_quant_method("w8a8").check(Shard(0, 2))
-    w4a8.check(Shard(0, 1))  # one rank is the whole model
+    w4a8.check(Shard(0, 2))  # each rank keeps its part of the blocks
     monkeypatch.setattr(quant_method, "cpu_kernels_available", lambda: False)
     with pytest.raises(ValueError, match="'w4a8' needs Loom's CPU kernels"):
         w4a8.check(None)
