@@ -14,6 +14,7 @@ caller's append.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -30,6 +31,16 @@ logger = logging.getLogger("loom")
 RANGE_SHARE = 0.25
 # The budget in effect is at least this multiple of the model's fixed cost per step.
 FIXED_COST_MULTIPLE = 2.0
+
+
+@dataclass
+class _StepClock:
+    """A step's time budget as chunks are added (ms): what is left of it, what is still
+    reserved for ranges, and the best (lowest) priority among the step's decodes."""
+
+    left: float
+    reserved: float
+    best_decode_priority: float = math.inf
 
 
 @dataclass(frozen=True)
@@ -226,12 +237,12 @@ class Scheduler:
 
     # ---- the time budget -------------------------------------------------------------
 
-    def _clock(self) -> list[float] | None:
-        """[time left in the step, time still reserved for ranges] in ms (spent as chunks
-        are added), or None without a time budget or before the cost model is calibrated.
-        Ranges keep RANGE_SHARE of the budget whatever the decodes take: prefill progresses
-        every step (a step then runs past the budget by at most that share), so a waiting
-        prompt is never starved by streams that keep coming."""
+    def _clock(self) -> _StepClock | None:
+        """The step's time (spent as chunks are added), or None without a time budget or
+        before the cost model is calibrated. Ranges keep RANGE_SHARE of the budget whatever
+        the decodes take: prefill progresses every step (a step then runs past the budget by
+        at most that share), so a waiting prompt is never starved by streams that keep
+        coming."""
         limit, cost = self.config.max_step_ms, self.cost
         if limit is None or cost is None or not cost.calibrated:
             return None
@@ -239,16 +250,19 @@ class Scheduler:
         # the budget would otherwise leave prefill a trickle (a 1.7B model on two cores:
         # 80 ms a step against 100).
         limit = max(limit, FIXED_COST_MULTIPLE * cost.fixed_ms())
-        return [limit - cost.fixed_ms(), RANGE_SHARE * limit]
+        return _StepClock(left=limit - cost.fixed_ms(), reserved=RANGE_SHARE * limit)
 
-    def _spend(self, clock: list[float] | None, chunk: ScheduledChunk) -> None:
+    def _spend(self, clock: _StepClock | None, chunk: ScheduledChunk) -> None:
         if clock is not None and self.cost is not None:
             ms = self.cost.chunk_ms(len(chunk.token_ids), chunk.start_pos)
-            clock[0] -= ms
+            clock.left -= ms
             if len(chunk.token_ids) - chunk.num_draft_tokens > 1:  # a range, not a decode
-                clock[1] -= ms
+                clock.reserved -= ms
+            else:
+                clock.best_decode_priority = min(clock.best_decode_priority,
+                                                 self.requests[chunk.request_id].priority)
 
-    def _time_limit(self, clock: list[float] | None, request: Request, budget: int,
+    def _time_limit(self, clock: _StepClock | None, request: Request, budget: int,
                     out: SchedulerOutput) -> int:
         """The most tokens of `request`'s next range the time left allows (at most
         `budget`); at least one when the step would otherwise compute nothing, so that a
@@ -257,10 +271,10 @@ class Scheduler:
             return budget
         # A stream of better priority decoding in this step keeps its pace: a range of worse
         # priority gets only the share reserved for ranges (so it still progresses).
-        urgent = any(len(c.token_ids) - c.num_draft_tokens == 1
-                     and self.requests[c.request_id].priority < request.priority
-                     for c in out.chunks)
-        left = clock[1] if urgent else max(clock)
+        if clock.best_decode_priority < request.priority:
+            left = clock.reserved
+        else:
+            left = max(clock.left, clock.reserved)
         tokens = min(budget, self.cost.tokens_within(left, request.num_computed_tokens))
         if tokens <= 0 and not out.chunks:
             if not self._warned_tiny_budget:
