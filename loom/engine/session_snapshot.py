@@ -17,7 +17,6 @@ none until a segment brings its own.
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -26,6 +25,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from loom.errors import LoomError
+from loom.kv_connector.codec import safetensors_header
 from loom.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 FORMAT = "loom-session-1"
@@ -103,13 +103,8 @@ class SessionSnapshot:
     @classmethod
     def from_bytes(cls, data: bytes) -> SessionSnapshot:
         """Parse `to_bytes`'s output; a `SessionSnapshotError` names what is wrong."""
-        if len(data) < 8 or struct.unpack("<Q", data[:8])[0] > len(data) - 8:
-            raise SessionSnapshotError(f"truncated session snapshot ({len(data)} bytes)")
-        try:
-            (size,) = struct.unpack("<Q", data[:8])
-            metadata = json.loads(data[8:8 + size]).get("__metadata__") or {}
-        except (ValueError, AttributeError) as error:
-            raise SessionSnapshotError(f"corrupt session snapshot header: {error}") from None
+        metadata = safetensors_header(data, SessionSnapshotError,
+                                      "session snapshot").get("__metadata__") or {}
         if metadata.get("format") != FORMAT:
             raise SessionSnapshotError(
                 f"not a Loom session snapshot (format {metadata.get('format')!r}, "

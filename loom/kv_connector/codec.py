@@ -34,22 +34,27 @@ def encode_block(tensor: torch.Tensor, spec: KVCacheSpec) -> bytes:
     return save_safetensors({_TENSOR: tensor}, metadata=metadata)
 
 
-def _header(data: bytes) -> dict:
-    """The safetensors JSON header (8-byte little-endian length, then JSON)."""
+def safetensors_header(data: bytes, error: type[LoomError] = KVBlockError,
+                       what: str = "block file") -> dict:
+    """The safetensors JSON header (8-byte little-endian length, then a JSON object) of
+    `data`; `error` naming `what` when the bytes are truncated or the header is not one."""
     if len(data) < 8:
-        raise KVBlockError(f"truncated block file ({len(data)} bytes)")
+        raise error(f"truncated {what} ({len(data)} bytes)")
     (size,) = struct.unpack("<Q", data[:8])
     if size > len(data) - 8:
-        raise KVBlockError(f"truncated block file (header of {size} bytes, {len(data)} in all)")
+        raise error(f"truncated {what} (header of {size} bytes, {len(data)} in all)")
     try:
-        return json.loads(data[8 : 8 + size])
-    except ValueError as error:
-        raise KVBlockError(f"corrupt block file header: {error}") from None
+        header = json.loads(data[8 : 8 + size])
+    except ValueError as exc:
+        raise error(f"corrupt {what} header: {exc}") from None
+    if not isinstance(header, dict):
+        raise error(f"corrupt {what} header: not a JSON object")
+    return header
 
 
 def decode_block(data: bytes, spec: KVCacheSpec) -> torch.Tensor:
     """The block tensor, after checking format, fingerprint, shape, dtype and checksum."""
-    metadata = _header(data).get("__metadata__") or {}
+    metadata = safetensors_header(data).get("__metadata__") or {}
     if metadata.get("format") != FORMAT:
         raise KVBlockError(f"not a Loom KV block (format {metadata.get('format')!r})")
     if metadata.get("fingerprint") != spec.fingerprint:
