@@ -100,6 +100,18 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     return "; ".join(lines) or "invalid request body", param
 
 
+def as_api_error(error: Exception) -> APIError:
+    """What a stream reports when it ends in `error` after its headers went out: an
+    APIError as it is, an engine error as `from_loom_error` maps it, anything else (a failed
+    step) as a 503 naming it."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, LoomError):
+        return from_loom_error(error)
+    return APIError(503, f"the engine failed: {type(error).__name__}: {error}",
+                    code="request_failed")
+
+
 def invalid_body(error: ValidationError) -> APIError:
     """A body model's validation failure outside a route (a WebSocket message) as the 400
     an HTTP body gets, naming the field."""

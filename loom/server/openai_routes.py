@@ -14,7 +14,7 @@ from loom.engine.outputs import OutputAccumulator, RequestOutput
 from loom.errors import LoomError
 from loom.server import tool_calls
 from loom.server.constraints import constrain, requested_constraint
-from loom.server.errors import APIError, error_body, from_loom_error
+from loom.server.errors import APIError, as_api_error, error_body
 from loom.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -152,14 +152,9 @@ def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
         try:
             async for event in events:
                 yield event
-        except APIError as error:  # after the headers: report in the stream, then end it
-            yield sse(error_body(error.status, error.message, error.param, error.code))
-        except LoomError as error:  # the request ended under it (closed, shut down, failed)
-            failure = from_loom_error(error)
+        except Exception as error:  # after the headers: report in the stream, then end it
+            failure = as_api_error(error)
             yield sse(error_body(failure.status, failure.message, failure.param, failure.code))
-        except Exception as error:  # a failed step: the stream still ends, saying so
-            yield sse(error_body(503, f"the engine failed: {type(error).__name__}: {error}",
-                                 code="request_failed"))
         yield sse("[DONE]")
 
     return StreamingResponse(guarded(), media_type="text/event-stream",

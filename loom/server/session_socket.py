@@ -31,7 +31,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
 from loom.errors import LoomError
-from loom.server.errors import APIError, error_body, from_loom_error, invalid_body
+from loom.server.errors import APIError, as_api_error, error_body, from_loom_error, invalid_body
 from loom.server.limits import check_api_key
 from loom.server.protocol import (
     SessionAppendRequest,
@@ -78,14 +78,10 @@ class _Socket:
                 async for event in run.events():
                     kind = event["object"].removeprefix("session.")
                     await self.send({"type": kind, "ref": ref, **event})
-            except APIError as error:
-                await self._report(ref, error)
             except WebSocketDisconnect:
                 pass  # the client left mid-segment: leaving the iteration stopped it
-            except Exception as error:  # a failed step: the client hears of it
-                await self._report(ref, APIError(
-                    503, f"the engine failed: {type(error).__name__}: {error}",
-                    code="request_failed"))
+            except Exception as error:  # the segment failed: the client hears of it
+                await self._report(ref, as_api_error(error))
 
         self.segment = asyncio.ensure_future(stream())
 
