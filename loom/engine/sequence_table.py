@@ -370,15 +370,13 @@ class SequenceTable:
         at `grammar_positions` again."""
         self.check_new_id(session_id)
         tokens = list(token_ids)
-        request = Request(session_id, tokens, num_prompt_tokens=num_prompt_tokens,
-                          pinned=pinned, priority=params.priority)
-        prompt = tokens[:num_prompt_tokens]
+        request = Request(session_id, tokens[:num_prompt_tokens], pinned=pinned,
+                          priority=params.priority)
         seq = self._sequence(request, params, group_id=session_id, is_session=True,
-                             ttl_s=ttl_s, prompt_ids=prompt)
-        seq.output_token_ids = tokens[num_prompt_tokens:]
-        seq.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, prompt, skip_special_tokens=params.skip_special_tokens)
-        seq.detokenizer.append_prompt(seq.output_token_ids)
+                             ttl_s=ttl_s)
+        # The rest as it came: after the prompt, in the output and its text.
+        request.append_tokens(tokens[num_prompt_tokens:])
+        seq.append_input(tokens[num_prompt_tokens:])
         seq.start_segment(params, self.device)
         self.start_segment(seq, None)  # paused once its tokens are computed
         constraint = params.structured_outputs
