@@ -6,8 +6,8 @@ blocks do: an engine reads back only what an engine computing the same bits wrot
 blocks a restored session needs are under the same fingerprint. Ids are hashed into keys
 (any id is a valid file name); the record keeps the id itself.
 
-    sessions/<fingerprint>/<sha256(id)>           a SessionSnapshot
-    records/<fingerprint>/<kind>/<sha256(id)>     bytes a service keeps (stored responses)
+    records/<fingerprint>/<kind>/<sha256(id)>     kind "session": a SessionSnapshot;
+                                                  others: bytes a service keeps
 
 A store that fails is logged and treated as not holding the key: the engine goes on (a
 session that cannot be restored is unknown, as it would be without a store).
@@ -27,6 +27,10 @@ from loom.kv_connector.store import KVStore
 logger = logging.getLogger(__name__)
 
 
+# The record kind of a session's snapshot.
+_SESSION = "session"
+
+
 def _digest(name: str) -> str:
     return hashlib.sha256(name.encode()).hexdigest()[:40]
 
@@ -40,30 +44,22 @@ class SessionStore:
         self.fingerprint = fingerprint
         self.saves = save  # the connector's role: producer (saves) and/or consumer (loads)
         self.loads = load
-        self.num_saved = 0
-        self.num_restored = 0
-        self.num_errors = 0
-
-    def _session_key(self, session_id: str) -> str:
-        return f"sessions/{self.fingerprint}/{_digest(session_id)}"
 
     def _record_key(self, kind: str, record_id: str) -> str:
         return f"records/{self.fingerprint}/{kind}/{_digest(record_id)}"
 
     def save(self, snapshot: SessionSnapshot) -> bool:
         """Write (or replace) the session's snapshot; False when the store failed."""
-        return self.saves and self._put(self._session_key(snapshot.session_id),
-                                        snapshot.to_bytes())
+        return self.put_record(_SESSION, snapshot.session_id, snapshot.to_bytes())
 
     def load(self, session_id: str) -> SessionSnapshot | None:
         """The session's snapshot, or None (none kept, unreadable, or for another id)."""
-        data = self._get(self._session_key(session_id)) if self.loads else None
+        data = self.get_record(_SESSION, session_id)
         if data is None:
             return None
         try:
             snapshot = SessionSnapshot.from_bytes(data)
         except SessionSnapshotError as error:
-            self.num_errors += 1
             logger.warning("session %r: its stored snapshot cannot be used: %s", session_id,
                            error)
             return None
@@ -71,7 +67,7 @@ class SessionStore:
 
     def delete(self, session_id: str) -> None:
         """Forget the session's snapshot (it was closed or expired)."""
-        self._delete(self._session_key(session_id))
+        self.delete_record(_SESSION, session_id)
 
     def put_record(self, kind: str, record_id: str, data: bytes) -> bool:
         """Keep a service's record; False when the store failed."""
@@ -91,17 +87,14 @@ class SessionStore:
         try:
             self.store.put(key, data)
         except Exception as error:  # a full disk or a lost server must not stop the engine
-            self.num_errors += 1
             logger.warning("saving %s failed: %s", key, error)
             return False
-        self.num_saved += 1
         return True
 
     def _get(self, key: str) -> bytes | None:
         try:
             return self.store.get(key)
         except Exception as error:
-            self.num_errors += 1
             logger.warning("reading %s failed: %s", key, error)
             return None
 
@@ -109,7 +102,6 @@ class SessionStore:
         try:
             self.store.delete(key)
         except Exception as error:
-            self.num_errors += 1
             logger.warning("deleting %s failed: %s", key, error)
 
 
@@ -162,5 +154,4 @@ class PersistedSessions:
             logger.warning("session %r: its stored snapshot cannot be restored: %s",
                            session_id, error)
             return False
-        self.store.num_restored += 1
         return True

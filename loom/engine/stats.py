@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from loom.core.request import RequestStatus
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -100,8 +102,6 @@ class EngineLoad:
 def read_load(running: list[Any], waiting: Any, idle: dict[str, Any]) -> EngineLoad:
     """The load from the scheduler's queues (lists of `Request`), read without the engine's
     lock: a dict that a concurrent step changes while it is copied is copied again."""
-    from loom.core.request import RequestStatus
-
     requests: list[Any] = []
     for _ in range(5):
         try:
