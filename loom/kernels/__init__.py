@@ -14,6 +14,7 @@ from loom.kernels.cpu_ops import (
     GGUF_C_BLOCK_TYPES,
     KV_CACHE_KERNEL_DTYPES,
     W4A8_MAX_SEGMENTS,
+    W4A8_TYPE_NAMES,
     W4A8_TYPES,
     argmax_logsumexp,
     cpu_kernels_available,
@@ -29,6 +30,7 @@ from loom.kernels.cpu_ops import (
     w4a8_dequantize,
     w4a8_pack,
     w4a8_packed_shape,
+    w4a8_record_k,
     w4a8_rows,
 )
 
@@ -56,6 +58,7 @@ __all__ = [
     "KV_CACHE_KERNEL_DTYPES",
     "W4A8_MAX_SEGMENTS",
     "W4A8_TYPES",
+    "W4A8_TYPE_NAMES",
     "argmax_logsumexp",
     "cpu_kernels_available",
     "dequantize_gguf_blocks",
@@ -73,5 +76,6 @@ __all__ = [
     "w4a8_dequantize",
     "w4a8_pack",
     "w4a8_packed_shape",
+    "w4a8_record_k",
     "w4a8_rows",
 ]

@@ -1681,6 +1681,11 @@ LOOM_EXPORT int64_t loom_dequantize(int64_t type, const uint8_t *src, int64_t nb
  * output projection 5.7 ms packed in 6 bits against 3.7 ms for w8a8's bytes). */
 
 #define W4_SB 256
+#define W4_Q4_0 2
+#define W4_Q4_1 3
+#define W4_Q5_0 6
+#define W4_Q5_1 7
+#define W4_Q8_0 8
 #define W4_Q4K 12
 #define W4_Q5K 13
 #define W4_Q6K 14
@@ -1688,10 +1693,31 @@ LOOM_EXPORT int64_t loom_dequantize(int64_t type, const uint8_t *src, int64_t nb
 #define W4_REC_Q5K 2240
 #define W4_REC_Q6K 2208
 
+/* The blocks of 32 (see "w4a8 over blocks of 32" below). */
+static inline int w4_is_b32(int64_t type) {
+    return type == W4_Q4_0 || type == W4_Q4_1 || type == W4_Q5_0 || type == W4_Q5_1 ||
+           type == W4_Q8_0;
+}
+/* Q4_1, Q5_1: w = d * q + m. */
+static inline int w4_b32_has_m(int64_t type) { return type == W4_Q4_1 || type == W4_Q5_1; }
+/* Q4_0, Q4_1: values packed two to a byte (the others one byte each). */
+static inline int w4_b32_nibbles(int64_t type) { return type == W4_Q4_0 || type == W4_Q4_1; }
+/* What the stored value holds above the signed one: w = d * (q - offset). */
+static inline int w4_b32_offset(int64_t type) {
+    return type == W4_Q4_0 ? 8 : type == W4_Q5_0 ? 16 : type == W4_Q8_0 ? 128 : 0;
+}
+/* Where a b32 record's values start (after d[8], and m[8] where the type has one). */
+static inline int64_t w4_b32_q_at(int64_t type) { return w4_b32_has_m(type) ? 64 : 32; }
+
 static inline int64_t w4_record_bytes(int64_t type) {
+    if (w4_is_b32(type))
+        return w4_b32_q_at(type) + (w4_b32_nibbles(type) ? 128 : 256);
     return type == W4_Q4K ? W4_REC_Q4K : type == W4_Q5K ? W4_REC_Q5K
          : type == W4_Q6K ? W4_REC_Q6K : -1;
 }
+
+/* k a record covers: a super-block of 256, or one block of 32. */
+static inline int64_t w4_record_k(int64_t type) { return w4_is_b32(type) ? QBLOCK : W4_SB; }
 
 /* Types of the form w = d * sc * q - dmin * m (Q4_K, Q5_K): the same record header and the
  * same float arithmetic; their q differ in width and packing. */
@@ -1726,6 +1752,25 @@ static void w4_decode_q6k(const uint8_t *b, float *d, int8_t sc[16], uint8_t q[2
     *d = f16_to_f32(b + 208);
 }
 
+/* One file block of 32 of a b32 type: its scale d, its m (Q4_1, Q5_1; else 0) and its 32
+ * values as stored in a record (Q8_0's int8 value + 128, the others as the file has them). */
+static void w4_decode_b32(int64_t type, const uint8_t *b, float *d, float *m, uint8_t q[32]) {
+    *d = f16_to_f32(b);
+    *m = w4_b32_has_m(type) ? f16_to_f32(b + 2) : 0.0f;
+    if (type == W4_Q8_0) {
+        for (int j = 0; j < 32; j++) q[j] = (uint8_t)((int)(int8_t)b[2 + j] + 128);
+        return;
+    }
+    const int has_m = w4_b32_has_m(type), five = !w4_b32_nibbles(type);
+    const uint8_t *qs = b + 2 + 2 * has_m + 4 * five;
+    uint32_t qh = 0;
+    if (five) memcpy(&qh, b + 2 + 2 * has_m, 4); /* bit j: the fifth bit of value j */
+    for (int j = 0; j < 16; j++) {
+        q[j] = (uint8_t)((qs[j] & 0x0F) | (((qh >> j) & 1) << 4));
+        q[16 + j] = (uint8_t)((qs[j] >> 4) | (((qh >> (16 + j)) & 1) << 4));
+    }
+}
+
 /* Q4_K: the byte of k-in-block kk, column c in a block's lo area, and its nibble's shift. */
 static inline int w4_lo_at(int c, int kk) { return (kk / 8) * 32 + c * 4 + kk % 4; }
 static inline int w4_lo_shift(int kk) { return 4 * ((kk / 4) % 2); }
@@ -1737,9 +1782,12 @@ static inline int w4_byte_at(int c, int kk) { return (kk / 4) * 32 + c * 4 + kk 
  * a multiple of 256. */
 LOOM_EXPORT int64_t loom_w4a8_pack(int64_t type, const uint8_t *raw, int64_t n, int64_t k,
                                    uint8_t *out) {
-    const int64_t rec = w4_record_bytes(type), nsb = k / W4_SB;
-    if (rec < 0 || k % W4_SB) return -1;
-    const int64_t src_bytes = type == W4_Q4K ? 144 : type == W4_Q5K ? 176 : 210;
+    const int64_t rec = w4_record_bytes(type), rk = w4_record_k(type);
+    if (rec < 0 || k % rk) return -1;
+    const int64_t nsb = k / rk;
+    const int64_t src_bytes = type == W4_Q4K ? 144 : type == W4_Q5K ? 176 : type == W4_Q6K ? 210
+                            : type == W4_Q4_0 ? 18 : type == W4_Q4_1 ? 20
+                            : type == W4_Q5_0 ? 22 : type == W4_Q5_1 ? 24 : 34;
     const int64_t groups = (n + COLS - 1) / COLS;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++)
@@ -1749,7 +1797,18 @@ LOOM_EXPORT int64_t loom_w4a8_pack(int64_t type, const uint8_t *raw, int64_t n, 
                 const uint8_t *b = raw + ((g * COLS + c) * nsb + s) * src_bytes;
                 uint8_t q[256];
                 float d;
-                if (w4_has_mins(type)) {
+                if (w4_is_b32(type)) {
+                    float m;
+                    w4_decode_b32(type, b, &d, &m, q);
+                    if (w4_b32_has_m(type)) memcpy(r + 32 + 4 * c, &m, 4);
+                    const int64_t at = w4_b32_q_at(type);
+                    for (int kk = 0; kk < 32; kk++) {
+                        if (w4_b32_nibbles(type))
+                            r[at + w4_lo_at(c, kk)] |= (uint8_t)(q[kk] << w4_lo_shift(kk));
+                        else
+                            r[at + w4_byte_at(c, kk)] = q[kk];
+                    }
+                } else if (w4_has_mins(type)) {
                     uint8_t sc[8], mn[8];
                     float dmin;
                     if (type == W4_Q4K)
@@ -1783,6 +1842,15 @@ static inline float w4_weight(int64_t type, const uint8_t *r, int c, int kk) {
     const int j = kk / 32, i = kk % 32;
     float d;
     memcpy(&d, r + 4 * c, 4);
+    if (w4_is_b32(type)) { /* kk < 32: one block a record */
+        const int64_t at = w4_b32_q_at(type);
+        const int q = w4_b32_nibbles(type) ? (r[at + w4_lo_at(c, kk)] >> w4_lo_shift(kk)) & 15
+                                           : r[at + w4_byte_at(c, kk)];
+        if (!w4_b32_has_m(type)) return d * (float)(q - w4_b32_offset(type));
+        float m;
+        memcpy(&m, r + 32 + 4 * c, 4);
+        return d * (float)q + m;
+    }
     if (w4_has_mins(type)) {
         float dmin;
         memcpy(&dmin, r + 32 + 4 * c, 4);
@@ -1798,14 +1866,15 @@ static inline float w4_weight(int64_t type, const uint8_t *r, int c, int kk) {
  * w4a8 path). Returns 0 or -1 for an unknown type. */
 LOOM_EXPORT int64_t loom_w4a8_dequantize(int64_t type, const uint8_t *packed, int64_t n,
                                          int64_t k, float *out) {
-    const int64_t rec = w4_record_bytes(type), nsb = k / W4_SB;
-    if (rec < 0 || k % W4_SB) return -1;
+    const int64_t rec = w4_record_bytes(type), rk = w4_record_k(type);
+    if (rec < 0 || k % rk) return -1;
+    const int64_t nsb = k / rk;
 #pragma omp parallel for schedule(static)
     for (int64_t o = 0; o < n; o++)
         for (int64_t s = 0; s < nsb; s++) {
             const uint8_t *r = packed + ((o / COLS) * nsb + s) * rec;
-            for (int kk = 0; kk < W4_SB; kk++)
-                out[o * k + s * W4_SB + kk] = w4_weight(type, r, (int)(o % COLS), kk);
+            for (int kk = 0; kk < rk; kk++)
+                out[o * k + s * rk + kk] = w4_weight(type, r, (int)(o % COLS), kk);
         }
     return 0;
 }
@@ -2065,6 +2134,135 @@ static inline __attribute__((always_inline)) void w4_tile(
     }
 }
 
+/* ---- w4a8 over blocks of 32: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 ----
+ *
+ * Files store a matrix in these where its rows are not whole super-blocks of 256 (the K-quant
+ * fallbacks of Q4_K_M files: Gemma 3 270M's 640-wide q/k/v and gate/up are Q5_0), or all of
+ * it (Q4_0, Q8_0 files). One record per group of 8 columns and block of 32 k:
+ *   d[8] f32 | m[8] f32 (Q4_1, Q5_1 only) | q
+ * q as Q4_K's lo area of one block for Q4_0 and Q4_1 (128 bytes), else one byte per value
+ * (256 bytes, byte t * 32 + c * 4 + i for k = 4 t + i; Q8_0's int8 value + 128). With I the
+ * block's sum of stored q * xq (exact) and X the plain sum of its int8 activations:
+ *
+ *   J    = I - offset * X     (offset 8 for Q4_0, 16 for Q5_0, 128 for Q8_0, else 0; exact)
+ *   acc  = fmaf((float)J, d * xs, acc)
+ *   mins = fmaf(m, xs * X, mins)      (Q4_1, Q5_1: w = d * q + m)
+ *   y    = acc + mins (Q4_1, Q5_1) or acc (+ bias)
+ *
+ * |J| <= 32 * 128 * 127 < 2^24, so its float is exact; the same order in every variant and
+ * in the oracle. The offset enters as the block's starting sum; AVX2 without VNNI multiplies
+ * Q8_0's signed values directly (dot4x8_q8_0) and so starts from 0. */
+
+/* acc + the exact products of Q8_0's stored values wu (int8 + 128) and 4 activations a lane.
+ * VNNI multiplies wu itself (the block starts from -128 X); AVX2 restores the int8 w and
+ * multiplies |w| (up to 128: a file may hold -128, which w8a8's dot4x8_i8 cannot negate) by
+ * x carrying w's sign (|x| <= 127): pairs of at most 2 * 128 * 127, exact in int16. */
+static inline __m256i dot4x8_q8_0(__m256i acc, __m256i wu, __m256i xb) {
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+    return dot_u8s8(acc, wu, xb);
+#else
+    const __m256i w = _mm256_xor_si256(wu, _mm256_set1_epi8((char)0x80));
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xb, w));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+/* Records of prefetch distance along a group's stream, about what the K-quants' run ahead. */
+#define W4_B32_PREFETCH_BYTES 4864
+
+static inline __attribute__((always_inline)) void w4_tile_b32(
+    int64_t type, const W4Act *a, int64_t r0, int R, int64_t k, const uint8_t *w, int64_t g0,
+    int C, int64_t n, const float *bias, float *y, int64_t ny, int prefetch) {
+    const int64_t nb = k / QBLOCK, rec = w4_record_bytes(type), qat = w4_b32_q_at(type);
+    const int64_t ahead = W4_B32_PREFETCH_BYTES / rec, groups = (n + COLS - 1) / COLS;
+    const int has_m = w4_b32_has_m(type), nibbles = w4_b32_nibbles(type);
+    const int32_t offset = w4_b32_offset(type);
+    const int INLINE_MINS = has_m && R * C <= 2;
+    const __m256i low4 = _mm256_set1_epi8(15);
+    __m256 acc[W4_MAXR][W4_MAXC], mins[W4_MAXR][W4_MAXC];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = mins[r][c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *rc[W4_MAXC];
+        for (int c = 0; c < C; c++) rc[c] = w + ((g0 + c) * nb + b) * rec;
+        if (prefetch && (g0 + C - 1) * nb + b + ahead < groups * nb)
+            for (int c = 0; c < C; c++) prefetch_bytes(rc[c] + ahead * rec, rec);
+        const int64_t at = b * QBLOCK;
+        __m256i iacc[W4_MAXR][W4_MAXC];
+        for (int r = 0; r < R; r++) {
+            const int32_t x_sum = a->xsum[(r0 + r) * nb + b] / 128; /* X, exact */
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+            const __m256i start = _mm256_set1_epi32(-offset * x_sum);
+#else
+            const __m256i start = _mm256_set1_epi32(type == W4_Q8_0 ? 0 : -offset * x_sum);
+#endif
+            for (int c = 0; c < C; c++) iacc[r][c] = start;
+        }
+        if (nibbles) {
+            for (int v = 0; v < 4; v++) { /* nibbles, steps of 8 k */
+                __m256i lo[W4_MAXC], hi[W4_MAXC];
+                for (int c = 0; c < C; c++) {
+                    const __m256i raw = _mm256_loadu_si256(
+                        (const __m256i *)(rc[c] + qat + v * 32));
+                    lo[c] = _mm256_and_si256(raw, low4);
+                    hi[c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                }
+                for (int r = 0; r < R; r++) {
+                    const __m256i x0 = w4_x4(a, r0 + r, k, at + 8 * v);
+                    const __m256i x1 = w4_x4(a, r0 + r, k, at + 8 * v + 4);
+                    for (int c = 0; c < C; c++)
+                        iacc[r][c] = dot_u8s8(dot_u8s8(iacc[r][c], lo[c], x0), hi[c], x1);
+                }
+            }
+        } else {
+            for (int t = 0; t < 8; t++) { /* bytes, steps of 4 k */
+                __m256i q[W4_MAXC];
+                for (int c = 0; c < C; c++)
+                    q[c] = _mm256_loadu_si256((const __m256i *)(rc[c] + qat + t * 32));
+                for (int r = 0; r < R; r++) {
+                    const __m256i x = w4_x4(a, r0 + r, k, at + 4 * t);
+                    for (int c = 0; c < C; c++)
+                        iacc[r][c] = type == W4_Q8_0 ? dot4x8_q8_0(iacc[r][c], q[c], x)
+                                                     : dot_u8s8(iacc[r][c], q[c], x);
+                }
+            }
+        }
+        for (int c = 0; c < C; c++) {
+            const __m256 d = _mm256_loadu_ps((const float *)rc[c]);
+            for (int r = 0; r < R; r++) {
+                const __m256 coef = _mm256_mul_ps(d, _mm256_set1_ps(a->xs[(r0 + r) * nb + b]));
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][c]), coef, acc[r][c]);
+            }
+            if (INLINE_MINS) {
+                const __m256 m = _mm256_loadu_ps((const float *)(rc[c] + 32));
+                for (int r = 0; r < R; r++)
+                    mins[r][c] = _mm256_fmadd_ps(
+                        m, _mm256_set1_ps(a->xsx[(r0 + r) * nb + b]), mins[r][c]);
+            }
+        }
+    }
+    /* The m terms of larger tiles, in their own pass over the blocks (in order). */
+    for (int c = 0; has_m && !INLINE_MINS && c < C; c++)
+        for (int64_t b = 0; b < nb; b++) {
+            const __m256 m = _mm256_loadu_ps((const float *)(w + ((g0 + c) * nb + b) * rec + 32));
+            for (int r = 0; r < R; r++)
+                mins[r][c] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->xsx[(r0 + r) * nb + b]),
+                                             mins[r][c]);
+        }
+    for (int r = 0; has_m && r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_add_ps(acc[r][c], mins[r][c]);
+    for (int c = 0; c < C; c++) {
+        const int64_t col = (g0 + c) * COLS;
+        const int64_t valid = n - col < COLS ? n - col : COLS;
+        for (int r = 0; r < R; r++) {
+            float v[COLS];
+            _mm256_storeu_ps(v, acc[r][c]);
+            float *yr = y + (r0 + r) * ny + col;
+            for (int64_t i = 0; i < valid; i++) yr[i] = bias ? v[i] + bias[col + i] : v[i];
+        }
+    }
+}
+
 static void w4_tile_any(int64_t type, const W4Act *a, int64_t r0, int R, int64_t k,
                         const uint8_t *w, int64_t g0, int C, int64_t n, const float *bias,
                         float *y, int64_t ny, int prefetch) {
@@ -2073,6 +2271,13 @@ static void w4_tile_any(int64_t type, const W4Act *a, int64_t r0, int R, int64_t
         w4_tile(TT, a, r0, RR, k, w, g0, CC, n, bias, y, ny, prefetch);                      \
         return;                                                                              \
     }
+#define W4_B32_CASE(RR, CC)                                                                  \
+    if (w4_is_b32(type) && R == RR && C == CC) {                                             \
+        w4_tile_b32(type, a, r0, RR, k, w, g0, CC, n, bias, y, ny, prefetch);                \
+        return;                                                                              \
+    }
+    W4_B32_CASE(1, 1) W4_B32_CASE(1, 2) W4_B32_CASE(2, 1) W4_B32_CASE(2, 2)
+    W4_B32_CASE(3, 1) W4_B32_CASE(4, 1)
     W4_CASE(W4_Q4K, 1, 1) W4_CASE(W4_Q4K, 1, 2) W4_CASE(W4_Q4K, 2, 1) W4_CASE(W4_Q4K, 2, 2)
     W4_CASE(W4_Q4K, 3, 1) W4_CASE(W4_Q4K, 4, 1)
     W4_CASE(W4_Q5K, 1, 1) W4_CASE(W4_Q5K, 1, 2) W4_CASE(W4_Q5K, 2, 1) W4_CASE(W4_Q5K, 2, 2)
@@ -2084,7 +2289,10 @@ static void w4_tile_any(int64_t type, const W4Act *a, int64_t r0, int R, int64_t
     W4_CASE(W4_Q6K, 3, 2) W4_CASE(W4_Q6K, 4, 2)
     W4_CASE(W4_Q4K, 5, 2) W4_CASE(W4_Q4K, 6, 2) W4_CASE(W4_Q5K, 5, 2) W4_CASE(W4_Q5K, 6, 2)
     W4_CASE(W4_Q4K, 5, 1) W4_CASE(W4_Q4K, 6, 1) W4_CASE(W4_Q5K, 5, 1) W4_CASE(W4_Q5K, 6, 1)
+    W4_B32_CASE(3, 2) W4_B32_CASE(4, 2) W4_B32_CASE(5, 2) W4_B32_CASE(6, 2) W4_B32_CASE(5, 1)
+    W4_B32_CASE(6, 1)
 #endif
+#undef W4_B32_CASE
 #undef W4_CASE
 }
 
@@ -2094,7 +2302,8 @@ static void w4_segment_body(int64_t type, const W4Act *a, int64_t m, int64_t k,
                             const uint8_t *w, int64_t n, const float *bias, float *y,
                             int64_t ny) {
     const int64_t groups = (n + COLS - 1) / COLS, pairs = (groups + 1) / 2;
-    const int64_t rows = m == 1 ? 1 : W4_WIDE && w4_has_mins(type) ? W4_PREFILL_ROWS : 4;
+    const int64_t rows = m == 1 ? 1
+                       : W4_WIDE && type != W4_Q6K ? W4_PREFILL_ROWS : 4;
     const int64_t blocks = (m + rows - 1) / rows;
     /* no barrier per segment: segments write their own columns (the caller waits once) */
 #pragma omp for schedule(static) nowait
@@ -2107,7 +2316,8 @@ static void w4_segment_body(int64_t type, const W4Act *a, int64_t m, int64_t k,
          * ones (measured on 2 cores, 8192 x 2048 Q4_K: 1.6x at 1-2 rows, 1.27x at 4; Q6_K
          * at 4 rows is compute-bound and keeps the pair, 1.16x faster); 3-4 rows without
          * AVX-512VL go one group at a time to keep their accumulators in registers. */
-        const int one_stream = m <= rows && (R <= 2 || type == W4_Q4K);
+        const int one_stream = m <= rows && (R <= 2 || type == W4_Q4K ||
+                                             (w4_is_b32(type) && w4_b32_nibbles(type)));
         if (!one_stream && (R <= 2 || W4_WIDE)) {
             w4_tile_any(type, a, r0, R, k, w, g0, C, n, bias, y, ny, r0 == 0);
         } else {
@@ -2149,6 +2359,39 @@ LOOM_EXPORT void loom_linear_w4a8(const float *x, int64_t m, int64_t k, int64_t 
     free_quant_buffers(a);
 }
 
+/* One b32 segment of the oracle below: y[r, o] (row stride ny) one output at a time. */
+static void w4_b32_ref(int64_t type, const W4Act *a, int64_t m, int64_t k, const uint8_t *w,
+                       int64_t n, const float *bias, float *y, int64_t ny) {
+    const int64_t nb = k / QBLOCK, rec = w4_record_bytes(type), qat = w4_b32_q_at(type);
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t o = 0; o < n; o++) {
+            const int c = (int)(o % COLS);
+            float acc = 0.0f, mins = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const int64_t ab = r * nb + b;
+                const uint8_t *rc = w + ((o / COLS) * nb + b) * rec;
+                const int8_t *xq = a->xq + r * k + b * QBLOCK;
+                int32_t i32 = 0, x_sum = 0;
+                for (int i = 0; i < 32; i++) {
+                    const int q = w4_b32_nibbles(type)
+                                      ? (rc[qat + w4_lo_at(c, i)] >> w4_lo_shift(i)) & 15
+                                      : rc[qat + w4_byte_at(c, i)];
+                    i32 += q * xq[i];
+                    x_sum += xq[i];
+                }
+                float d, mm;
+                memcpy(&d, rc + 4 * c, 4);
+                acc = fmaf((float)(i32 - w4_b32_offset(type) * x_sum), d * a->xs[ab], acc);
+                if (w4_b32_has_m(type)) {
+                    memcpy(&mm, rc + 32 + 4 * c, 4);
+                    mins = fmaf(mm, a->xsx[ab], mins);
+                }
+            }
+            const float v = w4_b32_has_m(type) ? acc + mins : acc;
+            y[r * ny + o] = bias ? v + bias[o] : v;
+        }
+}
+
 /* The w4a8 arithmetic one output at a time in plain C, from the packed records through
  * w4-independent accessors: the oracle of the tests. Same arguments as loom_linear_w4a8. */
 LOOM_EXPORT void loom_linear_w4a8_ref(const float *x, int64_t m, int64_t k, int64_t nseg,
@@ -2165,6 +2408,12 @@ LOOM_EXPORT void loom_linear_w4a8_ref(const float *x, int64_t m, int64_t k, int6
     int64_t y0 = 0;
     for (int64_t seg = 0; seg < nseg; seg++) {
         const int64_t type = types[seg], rec = w4_record_bytes(type);
+        if (w4_is_b32(type)) {
+            w4_b32_ref(type, &a, m, k, packed[seg], ns[seg], bias ? bias + y0 : NULL, y + y0,
+                       ny);
+            y0 += ns[seg];
+            continue;
+        }
         for (int64_t r = 0; r < m; r++)
             for (int64_t o = 0; o < ns[seg]; o++) {
                 const int c = (int)(o % COLS);
@@ -2217,15 +2466,16 @@ static void w4_linear_kind3_body(const void *segments, const float *x, int64_t m
  * [0, n). */
 LOOM_EXPORT int64_t loom_w4a8_rows(int64_t type, const uint8_t *packed, int64_t n, int64_t k,
                                    const int64_t *ids, int64_t count, float *out) {
-    const int64_t rec = w4_record_bytes(type), nsb = k / W4_SB;
-    if (rec < 0 || k % W4_SB) return -1;
+    const int64_t rec = w4_record_bytes(type), rk = w4_record_k(type);
+    if (rec < 0 || k % rk) return -1;
+    const int64_t nsb = k / rk;
     for (int64_t i = 0; i < count; i++)
         if (ids[i] < 0 || ids[i] >= n) return -1;
     for (int64_t i = 0; i < count; i++)
         for (int64_t s = 0; s < nsb; s++) {
             const uint8_t *r = packed + ((ids[i] / COLS) * nsb + s) * rec;
-            for (int kk = 0; kk < W4_SB; kk++)
-                out[i * k + s * W4_SB + kk] = w4_weight(type, r, (int)(ids[i] % COLS), kk);
+            for (int kk = 0; kk < rk; kk++)
+                out[i * k + s * rk + kk] = w4_weight(type, r, (int)(ids[i] % COLS), kk);
         }
     return 0;
 }

@@ -261,27 +261,39 @@ def dequantize_gguf_blocks(raw: np.ndarray, type_id: int, out: torch.Tensor) -> 
     return lib.loom_dequantize(type_id, raw.ctypes.data, blocks, out.data_ptr()) == 0
 
 
-# GGUF block types the w4a8 kernel computes from (type id -> packed bytes per group of 8
-# columns and 256 k; see "w4a8" in cpu_kernels.c): Q4_K and Q6_K, the types of Q4_K_M files,
-# and Q5_K, the bulk of Q5_K_M ones.
-W4A8_TYPES = {12: 1216, 13: 2240, 14: 2208}
+# GGUF block types the w4a8 kernel computes from (see "w4a8" in cpu_kernels.c): type id ->
+# (packed bytes per group of 8 columns and record, k a record covers). The K-quants of Q4_K_M
+# and Q5_K_M files (Q4_K, Q5_K, Q6_K) in records of a super-block of 256; the blocks of 32
+# (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: whole files of those types, and the K-quants' fallback where
+# a matrix's rows are not whole super-blocks) in records of one block.
+W4A8_TYPES: dict[int, tuple[int, int]] = {
+    12: (1216, 256), 13: (2240, 256), 14: (2208, 256),
+    2: (160, 32), 3: (192, 32), 6: (288, 32), 7: (320, 32), 8: (288, 32),
+}
+W4A8_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K",
+                   13: "Q5_K", 14: "Q6_K"}
 W4A8_GROUP = 8
 W4A8_MAX_SEGMENTS = 4  # W4_MAX_SEGMENTS in cpu_kernels.c
-W4A8_SUPER_BLOCK = 256
+
+
+def w4a8_record_k(type_id: int) -> int:
+    """The k one packed record of `type_id` covers (its input widths are multiples of it)."""
+    return W4A8_TYPES[type_id][1]
 
 
 def w4a8_packed_shape(type_id: int, n: int, k: int) -> tuple[int, int, int]:
     """The packed layout's shape for a [n, k] tensor of `type_id`: (groups of 8 columns,
-    super-blocks of 256 k, record bytes)."""
-    return -(-n // W4A8_GROUP), k // W4A8_SUPER_BLOCK, W4A8_TYPES[type_id]
+    records along k, record bytes)."""
+    record_bytes, record_k = W4A8_TYPES[type_id]
+    return -(-n // W4A8_GROUP), k // record_k, record_bytes
 
 
 def w4a8_pack(raw: torch.Tensor, type_id: int, n: int, k: int) -> torch.Tensor:
-    """The file's blocks of a [n, k] Q4_K / Q6_K tensor (uint8, contiguous) repacked as the
-    w4a8 kernel reads them: uint8 [ceil(n / 8), k / 256, record bytes]."""
-    if type_id not in W4A8_TYPES or k % W4A8_SUPER_BLOCK:
-        raise ValueError(f"w4a8 packs GGUF types {sorted(W4A8_TYPES)} with k % 256 == 0, "
-                         f"got type {type_id}, k = {k}")
+    """The file's blocks of a [n, k] tensor of a W4A8_TYPES type (uint8, contiguous)
+    repacked as the w4a8 kernel reads them: uint8 [ceil(n / 8), records, record bytes]."""
+    if type_id not in W4A8_TYPES or k % w4a8_record_k(type_id):
+        raise ValueError(f"w4a8 packs GGUF types {sorted(W4A8_TYPES)} with k a multiple of "
+                         f"their block (32, or 256 for K-quants), got type {type_id}, k = {k}")
     _check(raw, "raw", torch.uint8)
     block_bytes, block_values = GGUF_C_BLOCK_TYPES[type_id]
     if raw.numel() != n * k // block_values * block_bytes:
@@ -323,14 +335,13 @@ def linear_w4a8(x: torch.Tensor, segments: list[tuple[int, torch.Tensor, int]],
     bits for a row in any call). `reference=True` runs the plain-C oracle."""
     _check(x, "x", torch.float32)
     m, k = x.shape
-    if k % W4A8_SUPER_BLOCK:
-        raise ValueError(f"w4a8 needs K % 256 == 0, got K = {k}")
     n = sum(cols for _, _, cols in segments)
     if not 1 <= len(segments) <= W4A8_MAX_SEGMENTS:
         raise ValueError(f"w4a8 takes 1 to {W4A8_MAX_SEGMENTS} segments, got {len(segments)}")
     for type_id, packed, cols in segments:
         _check(packed, "packed", torch.uint8)
-        want = w4a8_packed_shape(type_id, cols, k) if type_id in W4A8_TYPES else None
+        want = (w4a8_packed_shape(type_id, cols, k)
+                if type_id in W4A8_TYPES and k % w4a8_record_k(type_id) == 0 else None)
         if tuple(packed.shape) != want:
             raise ValueError(f"packed weight {tuple(packed.shape)} is not type {type_id} "
                              f"[{cols}, {k}] (want {want})")

@@ -1,12 +1,14 @@
-"""w4a8: linear layers computed from a GGUF file's own 4- and 6-bit blocks, int8 activations.
+"""w4a8: linear layers computed from a GGUF file's own quantised blocks, int8 activations.
 
 A Q4_K_M file stores most matrices as Q4_K (4.5 bits a weight) and some as Q6_K (6.6 bits);
-a Q5_K_M file most as Q5_K (5.5 bits).
+a Q5_K_M file most as Q5_K (5.5 bits); where a matrix's rows are not whole super-blocks of
+256, both fall back to blocks of 32 (Q5_0, Q8_0: Gemma 3 270M's 640-wide projections), and
+older files are Q4_0, Q4_1 or Q8_0 throughout.
 The w8a8 mode dequantises them and quantises again to 8 bits per weight, so decode reads
-almost twice the file's bytes. Here a layer keeps the file's integers and scales, repacked
-once for the kernel (`loom.kernels.w4a8_pack`: groups of 8 output columns, 4.75 bits a
-weight for Q4_K, 8.75 for Q5_K and 8.6 for Q6_K, whose five- and six-bit values are kept
-one byte each), and every
+almost twice a Q4_K file's bytes. Here a layer keeps the file's integers and scales, repacked
+once for the kernel (`loom.kernels.w4a8_pack`: groups of 8 output columns; 4.75 bits a
+weight for Q4_K, 5 for Q4_0, 6 for Q4_1; 8.6-10 for Q5_K, Q6_K, Q5_0, Q5_1 and Q8_0, whose
+values are kept one byte each), and every
 call, a decode row or a prefill chunk of thousands, runs one arithmetic
 (`loom_linear_w4a8` in cpu_kernels.c): activations rounded to int8 per block of 32 as w8a8
 rounds them, each block's products summed exactly in integers, the float scaling in one
@@ -15,8 +17,8 @@ batch, chunk or kernel variant; the weights are the file's (no second quantisati
 
 Stacked projections (q/k/v, gate/up) become one layer of several segments, each in its own
 file type (a Q4_K_M file mixes Q4_K and Q6_K within a layer). A layer whose parts the kernel
-cannot compute (another block type, an input width not a multiple of 256) is left to the
-w8a8 preparation by the caller (`W4A8Linear.from_linears` returns None).
+cannot compute (another block type, an input width not a multiple of the type's block) is
+left to the w8a8 preparation by the caller (`W4A8Linear.from_linears` returns None).
 """
 
 from __future__ import annotations
@@ -28,15 +30,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.kernels import (
+    W4A8_TYPE_NAMES,
     W4A8_TYPES,
     linear_w4a8,
     use_cpu_kernels,
     w4a8_dequantize,
     w4a8_pack,
     w4a8_packed_shape,
+    w4a8_record_k,
     w4a8_rows,
 )
-from loom.kernels.cpu_ops import GGUF_C_BLOCK_TYPES, W4A8_SUPER_BLOCK
+from loom.kernels.cpu_ops import GGUF_C_BLOCK_TYPES
 from loom.models.layers import stacked_bias
 from loom.models.quant import round_activations_q8
 from loom.models.weight_shard import ShardRule
@@ -56,15 +60,15 @@ class GGUFBlocks(NamedTuple):
 def shard_blocks(raw: torch.Tensor, type_id: int, rule: ShardRule) -> torch.Tensor | None:
     """A tensor-parallel rank's part of a tensor's file blocks (uint8 [rows, bytes per
     row]): rows [start, stop) (zero blocks past the end: zero weights), or columns
-    [start, stop) where both fall on super-block boundaries; None where the part does not
+    [start, stop) where both fall on block (or super-block) boundaries; None where the part does not
     split the blocks (the rank then computes from its part of the values)."""
     if rule.first_rank_only:
         return None
     if rule.dim == 0:
         start, stop = rule.span(raw.shape[0])
         return rule.pad(raw[start:stop])
-    block_bytes, block_values = GGUF_C_BLOCK_TYPES[type_id]
-    if rule.start % W4A8_SUPER_BLOCK or rule.stop % W4A8_SUPER_BLOCK:
+    block_bytes, block_values = GGUF_C_BLOCK_TYPES[type_id]  # a record's k, for w4a8 types
+    if rule.start % block_values or rule.stop % block_values:
         return None
     return raw[:, rule.start // block_values * block_bytes:
                rule.stop // block_values * block_bytes].contiguous()
@@ -74,7 +78,7 @@ def computable(blocks: GGUFBlocks | int | None, in_features: int) -> bool:
     """Whether the w4a8 kernel computes a tensor of `in_features` columns stored as `blocks`
     (or in the GGUF type of that id)."""
     type_id = blocks.type_id if isinstance(blocks, GGUFBlocks) else blocks
-    return type_id in W4A8_TYPES and in_features % W4A8_SUPER_BLOCK == 0
+    return type_id in W4A8_TYPES and in_features % w4a8_record_k(type_id) == 0
 
 
 class W4A8Linear(nn.Module):
@@ -141,9 +145,8 @@ class W4A8Linear(nn.Module):
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        names = {12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
-        kinds = ", ".join(f"{names.get(t, t)}x{c}" for t, c in zip(self.types, self.columns,
-                                                                      strict=True))
+        kinds = ", ".join(f"{W4A8_TYPE_NAMES.get(t, t)}x{c}"
+                          for t, c in zip(self.types, self.columns, strict=True))
         return f"in_features={self.in_features}, segments=[{kinds}]"
 
 

@@ -44,7 +44,7 @@ from loom.models.weight_shard import Shard
 logger = logging.getLogger("loom")
 
 # Bump when what a prepared file holds changes (module tree, layouts, quantisation rules).
-FORMAT = "3"
+FORMAT = "4"  # 4: w4a8 computes the blocks of 32 (Q4_0 ... Q8_0) too
 # Prepared entries kept on disk (the least recently used beyond these are deleted).
 KEEP = 4
 

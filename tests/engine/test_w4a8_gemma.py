@@ -1,7 +1,9 @@
-"""quantization="w4a8" on the real Gemma 3 270M Q4_K_M: the file's Q4_K and Q6_K matrices
-(attention output, feed-forward down) are computed from their own blocks, the others (Q5_0,
-Q8_0) as w8a8; outputs do not depend on the batch, the chunking, the prefix cache or a
-session's fragments (the default mode's guarantee), and stay near the float model."""
+"""quantization="w4a8" on the real Gemma 3 270M Q4_K_M: every matrix is computed from the
+file's own blocks (Q4_K and Q6_K for attention output and feed-forward down; Q5_0 and Q8_0,
+the K-quants' fallback for the 640-wide inputs, for q/k/v and gate/up; the Q8_0 embedding
+for the tied output projection and the lookups); outputs do not depend on the batch, the
+chunking, the prefix cache or a session's fragments (the default mode's guarantee), and
+stay near the float model."""
 
 from __future__ import annotations
 
@@ -22,13 +24,13 @@ from loom.engine.llm_engine import LLMEngine
 from loom.kernels import cpu_kernels_available
 from loom.loader.gguf_reader import GGUFFile
 from loom.models.quant import Int8Linear
-from loom.models.w4a8 import W4A8Linear
+from loom.models.w4a8 import W4A8Embedding, W4A8Linear
 from loom.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(),
                                 reason="w4a8 runs on Loom's CPU kernels")
 LENGTHS = (30, 140, 400)
-Q4_K, Q6_K = 12, 14
+Q5_0, Q8_0, Q4_K, Q6_K = 6, 8, 12, 14
 
 
 def w4a8_engine(gemma_path, **kwargs) -> LLMEngine:
@@ -58,19 +60,29 @@ def test_k_quant_matrices_are_computed_from_the_files_blocks(engine, gemma_path)
         down_type = int(files[f"blk.{i}.ffn_down.weight"].qtype)
         assert isinstance(down, W4A8Linear) and down.types == [down_type]
         assert down_type in (Q4_K, Q6_K)
-        # q/k/v and gate/up are Q5_0 / Q8_0 in this file: w8a8
-        assert isinstance(layer.self_attn.qkv_proj, Int8Linear)
-        assert isinstance(layer.mlp.gate_up_proj, Int8Linear)
-    # The output projection reads the 640-wide hidden state (not whole 256-wide super-blocks)
-    # from a Q8_0 embedding: w8a8.
-    assert isinstance(model.lm_head, Int8Linear)
+        # q/k/v and gate/up read 640 inputs (not whole super-blocks): Q5_0, v sometimes Q8_0
+        qkv, gate_up = layer.self_attn.qkv_proj, layer.mlp.gate_up_proj
+        v_type = int(files[f"blk.{i}.attn_v.weight"].qtype)
+        assert isinstance(qkv, W4A8Linear) and qkv.types == [Q5_0, Q5_0, v_type]
+        assert v_type in (Q5_0, Q8_0)
+        assert isinstance(gate_up, W4A8Linear) and gate_up.types == [Q5_0, Q5_0]
+    # The tied output projection and the lookups share the Q8_0 embedding's packed blocks.
+    assert isinstance(model.lm_head, W4A8Linear) and model.lm_head.types == [Q8_0]
+    assert isinstance(model.model.embed_tokens, W4A8Embedding)
+    assert model.model.embed_tokens.packed is model.lm_head.packed_0
+    assert not any(isinstance(m, Int8Linear) for m in model.modules())
     # The weights are the file's, bit for bit (no second quantisation).
     from gguf.quants import dequantize
 
-    tensor = files["blk.0.attn_output.weight"]
-    want = np.asarray(dequantize(reader.tensor_data(tensor), tensor.qtype), dtype=np.float32)
-    got = layers[0].self_attn.o_proj.dequantized_weight()
-    assert torch.equal(got, torch.from_numpy(want.reshape(got.shape)))
+    for name, module in (("blk.0.attn_output.weight", layers[0].self_attn.o_proj),
+                         ("blk.0.ffn_gate.weight", layers[0].mlp.gate_up_proj),
+                         ("token_embd.weight", model.lm_head)):
+        tensor = files[name]
+        want = np.asarray(dequantize(reader.tensor_data(tensor), tensor.qtype),
+                          dtype=np.float32)
+        want = torch.from_numpy(want.reshape(-1, module.in_features))
+        got = module.dequantized_weight()
+        assert torch.equal(got[:want.shape[0]], want), name
     # Every step runs in one C call, the w4a8 layers included (built at the first step).
     engine.add_request("first", "Hello", SamplingParams(temperature=0.0, max_tokens=2))
     run_to_completion(engine)

@@ -1,8 +1,9 @@
-"""The w4a8 kernel (GGUF Q4_K / Q5_K / Q6_K blocks x int8 activations) against its plain-C oracle,
-on every kernel variant this CPU runs: the same bits for any number of rows, any stacking of
-segments, any position of a row in the call; the packed weights are the file's values bit
-for bit; the result is the float product of the rounded activations and those weights, to
-float rounding."""
+"""The w4a8 kernel (GGUF blocks: the K-quants Q4_K / Q5_K / Q6_K and the blocks of 32 Q4_0 /
+Q4_1 / Q5_0 / Q5_1 / Q8_0, times int8 activations) against its plain-C oracle, on every kernel
+variant this CPU runs: the same bits for any number of rows, any stacking of segments, any
+position of a row in the call; the packed weights are the file's values bit for bit; the
+result is the float product of the rounded activations and those weights, to float
+rounding."""
 
 from __future__ import annotations
 
@@ -22,18 +23,25 @@ from loom.kernels.build import runnable_variants, use_variant
 from loom.models.quant import round_activations_q8
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no CPU kernels here")
-Q4_K, Q5_K, Q6_K = 12, 13, 14
-BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144, Q5_K: 176,
+               Q6_K: 210}
+BLOCK_VALUES = {t: 256 if t >= Q4_K else 32 for t in BLOCK_BYTES}
+# Where each type's float16 scales lie in a block (d, and dmin or m).
+SCALE_AT = {Q4_0: (0,), Q4_1: (0, 2), Q5_0: (0,), Q5_1: (0, 2), Q8_0: (0,), Q4_K: (0, 2),
+            Q5_K: (0, 2), Q6_K: (208,)}
 
 
 def random_blocks(type_id: int, rows: int, cols: int, seed: int) -> torch.Tensor:
-    """Valid file blocks: random integers and scales, small float16 super-block scales."""
+    """Valid file blocks: random integers and scales, small float16 scales (and signed m)."""
     rng = np.random.default_rng(seed)
-    count = rows * cols // 256
+    count = rows * cols // BLOCK_VALUES[type_id]
     blocks = rng.integers(0, 256, size=(count, BLOCK_BYTES[type_id]), dtype=np.uint8)
-    for at in ((208,) if type_id == Q6_K else (0, 2)):
-        scales = (rng.random(count, dtype=np.float32) * 2e-3 + 1e-4).astype(np.float16)
-        blocks[:, at:at + 2] = scales.view(np.uint8).reshape(count, 2)
+    for i, at in enumerate(SCALE_AT[type_id]):
+        scales = rng.random(count, dtype=np.float32) * 2e-3 + 1e-4
+        if i and type_id in (Q4_1, Q5_1):
+            scales -= 1.1e-3  # m: a block's offset, of either sign
+        blocks[:, at:at + 2] = scales.astype(np.float16).view(np.uint8).reshape(count, 2)
     return torch.from_numpy(blocks.reshape(rows, -1))
 
 
@@ -43,27 +51,42 @@ def file_values(raw: torch.Tensor, type_id: int, rows: int, cols: int) -> torch.
     return torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(rows, cols))
 
 
-@pytest.mark.parametrize("type_id", [Q4_K, Q5_K, Q6_K])
+@pytest.mark.parametrize("type_id", sorted(BLOCK_BYTES))
 def test_packing_keeps_the_files_values_bit_for_bit(type_id) -> None:
-    rows, cols = 37, 768  # a partial last group of 8 columns; three super-blocks a row
+    # a partial last group of 8 columns; three super-blocks a row (or 20 blocks of 32: a
+    # width no super-block divides, as Gemma 3 270M's 640)
+    rows, cols = 37, 768 if type_id >= Q4_K else 640
     raw = random_blocks(type_id, rows, cols, seed=type_id)
     packed = w4a8_pack(raw, type_id, rows, cols)
     assert torch.equal(w4a8_dequantize(packed, type_id, rows, cols),
                        file_values(raw, type_id, rows, cols))
 
 
-@pytest.fixture(scope="module")
-def stacked() -> tuple[list[tuple[int, torch.Tensor, int]], torch.Tensor, torch.Tensor]:
-    """q/k/v-like segments of mixed types (as a Q4_K_M file's layers mix them), their float
-    weight and a bias."""
+# Stacks of segments of mixed types, as files mix them within a layer (Q4_K_M: Q4_K and
+# Q6_K; their fallbacks: Q5_0 and Q8_0; older files: Q4_0, Q4_1, Q5_1). At most 4 a layer.
+STACKS = {
+    "k-quants": [(Q4_K, 40), (Q6_K, 19), (Q5_K, 19), (Q4_K, 8)],
+    "blocks-of-32": [(Q5_0, 40), (Q8_0, 19), (Q4_1, 11), (Q4_0, 16)],
+    "mixed": [(Q5_1, 13), (Q4_K, 24), (Q8_0, 8), (Q6_K, 9)],
+}
+
+
+def _stack(name: str) -> tuple[list[tuple[int, torch.Tensor, int]], torch.Tensor,
+                               torch.Tensor]:
+    """A stack's packed segments, their float weight and a bias."""
     k = 512
     segments, weights = [], []
-    for i, (type_id, cols) in enumerate([(Q4_K, 40), (Q6_K, 19), (Q5_K, 19), (Q4_K, 8)]):
+    for i, (type_id, cols) in enumerate(STACKS[name]):
         raw = random_blocks(type_id, cols, k, seed=10 + i)
         segments.append((type_id, w4a8_pack(raw, type_id, cols, k), cols))
         weights.append(file_values(raw, type_id, cols, k))
-    bias = torch.randn(86, generator=torch.Generator().manual_seed(3))
-    return segments, torch.cat(weights), bias
+    n = sum(cols for _, cols in STACKS[name])
+    return segments, torch.cat(weights), torch.randn(n, generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture(scope="module", params=sorted(STACKS))
+def stacked(request) -> tuple[list[tuple[int, torch.Tensor, int]], torch.Tensor, torch.Tensor]:
+    return _stack(request.param)
 
 
 @pytest.mark.parametrize("variant", runnable_variants())
@@ -76,6 +99,22 @@ def test_every_variant_computes_the_oracles_bits(stacked, variant, rows) -> None
         got = linear_w4a8(x, segments, bias)
         want = linear_w4a8(x, segments, bias, reference=True)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("type_id", [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0])
+def test_blocks_of_32_on_a_width_no_super_block_divides(type_id) -> None:
+    """Gemma 3 270M's q/k/v and gate/up: 640 inputs in Q5_0 (its v in Q8_0)."""
+    k, cols = 640, 21
+    raw = random_blocks(type_id, cols, k, seed=type_id)
+    segments = [(type_id, w4a8_pack(raw, type_id, cols, k), cols)]
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(type_id))
+    for variant in runnable_variants():
+        with use_variant(variant):
+            assert torch.equal(linear_w4a8(x, segments, None),
+                               linear_w4a8(x, segments, None, reference=True))
+    want = round_activations_q8(x).double() @ file_values(raw, type_id, cols, k).double().T
+    got = linear_w4a8(x, segments, None)
+    torch.testing.assert_close(got.double(), want, atol=1e-4 * float(want.abs().max()), rtol=0)
 
 
 def test_a_rows_result_does_not_depend_on_the_call(stacked) -> None:
@@ -99,10 +138,12 @@ def test_the_result_is_the_rounded_activations_times_the_files_weights(stacked) 
 
 def test_bad_shapes_are_named() -> None:
     raw = random_blocks(Q4_K, 8, 256, seed=1)
-    with pytest.raises(ValueError, match="k % 256"):
+    with pytest.raises(ValueError, match="multiple of their block"):
         w4a8_pack(raw, Q4_K, 8, 200)
     with pytest.raises(ValueError, match="GGUF types"):
-        w4a8_pack(raw, 8, 8, 256)
+        w4a8_pack(raw, 10, 8, 256)  # Q2_K
+    with pytest.raises(ValueError, match="not type 12"):  # a Q4_K segment 320 wide
+        linear_w4a8(torch.zeros(1, 320), [(Q4_K, w4a8_pack(raw, Q4_K, 8, 256), 8)], None)
     packed = w4a8_pack(raw, Q4_K, 8, 256)
     with pytest.raises(ValueError, match="not type 12"):
         linear_w4a8(torch.zeros(1, 512), [(Q4_K, packed, 8)], None)

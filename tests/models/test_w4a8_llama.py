@@ -47,7 +47,7 @@ def k_quant_llama(tmp_path_factory) -> Path:
 
 
 def _write_llama(path: Path, v_type: int) -> Path:
-    """The tiny file, attn_v in `v_type` (Q8_0: a type the kernel does not compute)."""
+    """The tiny file, attn_v in `v_type` (F16: a type the kernel does not compute)."""
     rng = np.random.default_rng(0)
     types = gguf.GGMLQuantizationType
     writer = gguf.GGUFWriter(str(path), arch="llama")
@@ -61,10 +61,9 @@ def _write_llama(path: Path, v_type: int) -> Path:
     writer.add_rope_freq_base(10000.0)
 
     def matrix(name: str, rows: int, cols: int, type_id: int) -> None:
-        if type_id == int(types.Q8_0):
+        if type_id == int(types.F16):
             values = rng.standard_normal((rows, cols), dtype=np.float32) * 0.05
-            writer.add_tensor(name, gguf.quants.quantize(values, types.Q8_0),
-                              raw_dtype=types.Q8_0)
+            writer.add_tensor(name, values.astype(np.float16))
             return
         writer.add_tensor(name, _k_blocks(rng, rows, cols, type_id), raw_dtype=types(type_id))
 
@@ -140,13 +139,13 @@ def test_a_stack_with_a_part_the_kernel_cannot_compute_is_w8a8_of_the_files_valu
     tmp_path, monkeypatch,
 ) -> None:
     """q and k are Q4_K (their values are not decoded while loading: the kernel would compute
-    them), v is Q8_0: the q/k/v stack falls back to w8a8, over q and k decoded from their
+    them), v is F16: the q/k/v stack falls back to w8a8, over q and k decoded from their
     kept blocks: the same int8 weights as the w8a8 mode makes from the loaded values."""
     from loom.models.quant import Int8Linear
     from loom.models.w4a8 import W4A8Linear
 
     monkeypatch.setenv("LOOM_PREPARED_CACHE", "0")
-    path = _write_llama(tmp_path / "q8-v.gguf", v_type=8)
+    path = _write_llama(tmp_path / "f16-v.gguf", v_type=1)
     _, w4 = build_model(path, quantization="w4a8")
     _, w8 = build_model(path, quantization="w8a8")
     for a, b in zip(w4.model.layers, w8.model.layers, strict=True):
