@@ -2171,11 +2171,11 @@ static inline __m256i dot4x8_q8_0(__m256i acc, __m256i wu, __m256i xb) {
 #define W4_B32_PREFETCH_BYTES 4864
 
 static inline __attribute__((always_inline)) void w4_tile_b32(
-    int64_t type, const W4Act *a, int64_t r0, int R, int64_t k, const uint8_t *w, int64_t g0,
-    int C, int64_t n, const float *bias, float *y, int64_t ny, int prefetch) {
+    int64_t type, int has_m, const W4Act *a, int64_t r0, int R, int64_t k, const uint8_t *w,
+    int64_t g0, int C, int64_t n, const float *bias, float *y, int64_t ny, int prefetch) {
     const int64_t nb = k / QBLOCK, rec = w4_record_bytes(type), qat = w4_b32_q_at(type);
     const int64_t ahead = W4_B32_PREFETCH_BYTES / rec, groups = (n + COLS - 1) / COLS;
-    const int has_m = w4_b32_has_m(type), nibbles = w4_b32_nibbles(type);
+    const int nibbles = w4_b32_nibbles(type);
     const int32_t offset = w4_b32_offset(type);
     const int INLINE_MINS = has_m && R * C <= 2;
     const __m256i low4 = _mm256_set1_epi8(15);
@@ -2272,8 +2272,11 @@ static void w4_tile_any(int64_t type, const W4Act *a, int64_t r0, int R, int64_t
         return;                                                                              \
     }
 #define W4_B32_CASE(RR, CC)                                                                  \
-    if (w4_is_b32(type) && R == RR && C == CC) {                                             \
-        w4_tile_b32(type, a, r0, RR, k, w, g0, CC, n, bias, y, ny, prefetch);                \
+    if (w4_is_b32(type) && R == RR && C == CC) { /* has_m constant: no unused registers */  \
+        if (w4_b32_has_m(type))                                                              \
+            w4_tile_b32(type, 1, a, r0, RR, k, w, g0, CC, n, bias, y, ny, prefetch);         \
+        else                                                                                 \
+            w4_tile_b32(type, 0, a, r0, RR, k, w, g0, CC, n, bias, y, ny, prefetch);         \
         return;                                                                              \
     }
     W4_B32_CASE(1, 1) W4_B32_CASE(1, 2) W4_B32_CASE(2, 1) W4_B32_CASE(2, 2)
