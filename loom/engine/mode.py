@@ -4,19 +4,24 @@
 the host can do (`HostInfo`), so its rules are tested on any machine. The rules:
 
 - `quantization="auto"` (the default): weights a GGUF file stores quantized (the default
-  model is Q4_K_M) run as "w8a8" with a float16 KV cache where Loom's CPU kernels run (their
-  fused decode reads int8 weights once per step: about 3x float32 decode); everywhere else,
-  and for float checkpoints, the weights' own dtype (no quantization). `None` (or "none")
-  always gives exact dequantised float weights. "w4a8" (the file's Q4_K / Q5_K / Q6_K blocks,
-  `loom.models.w4a8`) is only chosen explicitly: it decodes faster than w8a8 on a Q4_K_M
-  file (1.5-1.7x) but its prefill measures 0.88-0.98x w8a8's (median per round, 3B and 1.7B
-  shapes), and "auto" must not be slower at either (`AUTO_QUANTIZED_GGUF`).
+  model is Q4_K_M) run as "w4a8" with a float16 KV cache where Loom's CPU kernels run: the
+  file's own blocks (Q4_K, Q5_K, Q6_K, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; `loom.models.w4a8`),
+  any other block type as w8a8; everywhere else, and for float checkpoints, the weights' own
+  dtype (no quantization). `None` (or "none") always gives exact dequantised float weights;
+  "w8a8" (every matrix re-quantised to int8 per output channel) stays a choice.
+  The issue that made w4a8 the default asked for it only where it is at least as fast as
+  w8a8 at decode and at prefill. It decodes 1.3-1.7x faster on every shape measured (0.27B
+  to 8B), loads in half the time and memory, but its prefill measures 2-13% slower: the
+  weights' per-block scales cost one more float multiply per block of 32 and output than
+  w8a8's per-channel scale (docs/performance.md). A prompt of 512 tokens with 128 tokens out
+  still finishes sooner at every size, so "auto" takes w4a8 (`AUTO_QUANTIZED_GGUF`);
+  `quantization="w8a8"` is the choice for prompt-heavy batch work.
 - `dtype="auto"`: on a CPU with the kernels, float32 (their fused decode takes float32
   activations: on an AVX-512 BF16 host it decoded 33 tok/s where a bf16 model managed 19-25);
   on CUDA bfloat16 (float16 without bf16); on a CPU without the kernels, bfloat16 only when
   a bf16 matmul measures faster than float32 here (`measure_bf16_speedup`: native on AVX-512
   BF16 / AMX hosts, emulated and several times slower on AVX2 ones), else float32.
-- `kv_cache_dtype="auto"`: float16 when "auto" chose w8a8 (decode attention reads half the
+- `kv_cache_dtype="auto"`: float16 when "auto" chose w4a8 (decode attention reads half the
   bytes; quality measured in `bench_quality.py`), else the model dtype.
 - `prefill_dtype="auto"` (the default): compute-bound calls (prefill chunks, large batches)
   use the same arithmetic as every other call (the default mode's bit-identity across
@@ -25,7 +30,10 @@ the host can do (`HostInfo`), so its rules are tested on any machine. The rules:
   (`large_batch_dtype`; int8 or float weights), faster where the CPU has native bf16
   (AVX-512 BF16, AMX: oneDNN's bf16 matmul), while small calls (decode) keep the float32 /
   int8 kernels: prefill and decode then compute with different arithmetic. It needs float32
-  activations on a CPU. `"float32"` or the model dtype mean the same as "auto".
+  activations on a CPU, and weights a method can multiply in bf16: with
+  `quantization="auto"` it takes w8a8 (w4a8 computes every call from the file's blocks; an
+  explicit "w4a8" with it is an error). `"float32"` or the model dtype mean the same as
+  "auto".
 """
 
 from __future__ import annotations
@@ -41,7 +49,7 @@ from loom.models.quant_method import QUANTIZATIONS, get_quant_method
 
 # The mode quantization="auto" gives a GGUF file of quantised weights on a CPU with the
 # kernels (see the module docstring for why).
-AUTO_QUANTIZED_GGUF = "w8a8"
+AUTO_QUANTIZED_GGUF = "w4a8"
 # A bf16 matmul must beat float32 by this factor before dtype="auto" picks bfloat16 on a CPU
 # without the kernels (timings are noisy; a tie keeps the exact dtype).
 BF16_MIN_SPEEDUP = 1.25
@@ -156,11 +164,19 @@ def choose_mode(
             dtype = "float32"  # the kernels take float32 activations
         else:
             dtype = "bfloat16" if host.bf16_ratio() >= BF16_MIN_SPEEDUP else "float32"
+    large_batch = _large_batch_dtype(prefill_dtype, dtype, host)
+    if large_batch is not None and not get_quant_method(quant).large_batch_dtypes:
+        if not auto_quant:
+            raise ValueError(
+                f"prefill_dtype {prefill_dtype!r} multiplies prefill in another arithmetic, "
+                f"but quantization {quant!r} computes every call from the file's blocks; use "
+                "'w8a8', 'int8' or none with it")
+        quant = "w8a8"  # a bf16 prefill asks for prompt speed: the mode that gives it
     kv = normalize_dtype(kv_cache_dtype)
     if kv == "auto":
         kv = "float16" if auto_quant and quant is not None else dtype
     return ExecutionMode(dtype=dtype, quantization=quant, kv_cache_dtype=kv,
-                         large_batch_dtype=_large_batch_dtype(prefill_dtype, dtype, host))
+                         large_batch_dtype=large_batch)
 
 
 def _large_batch_dtype(prefill_dtype: str, dtype: str, host: HostInfo) -> str | None:

@@ -847,7 +847,8 @@ LOOM_EXPORT const char *loom_kernel_variant(void) {
 
 /* ---- int8 weights x int8 activations (activations quantised per block of 32 on the fly) ---- */
 
-/* The arithmetic of w8a8, the default mode's linear layers, for every output y[r, c]:
+/* The arithmetic of w8a8 (quantization="w8a8", and the matrices of a block type w4a8 does not
+ * compute in the default mode), for every output y[r, c]:
  *
  *     isum_b = sum over the 32 j of block b of xq[r, 32b + j] * w[c, 32b + j]   (int32, exact)
  *     acc    = 0;  for b = 0, 1, ...: acc = fma((float)isum_b, xs[r, b], acc)   (block order)

@@ -8,11 +8,12 @@ tanh-GELU) and the KV cache is float32 or float16 on the CPU, `FusedDecoder` run
 single call into Loom's C kernels (one OpenMP parallel region for the whole step), with the
 same kernels the modules call one by one.
 
-In w8a8 (the default mode) it runs every step, prefill chunks of any size included: one
-arithmetic per token (int8 products summed exactly, float operations in a fixed order per
-row, attention split at absolute key positions), so a token's logits are the same bits
-whatever its chunk, batch or cache history. With float32 or weight-only int8 weights it runs
-steps of up to FUSED_MAX_TOKENS tokens and larger ones use the modules (torch's matmuls).
+In w4a8 (the default mode for a quantised GGUF) and w8a8 it runs every step, prefill chunks
+of any size included: one arithmetic per token (int8 products summed exactly, float
+operations in a fixed order per row, attention split at absolute key positions), so a
+token's logits are the same bits whatever its chunk, batch or cache history. With float32 or
+weight-only int8 weights it runs steps of up to FUSED_MAX_TOKENS tokens and larger ones use
+the modules (torch's matmuls).
 
 The descriptors hold raw pointers to the model's weights; the decoder keeps references to
 those tensors. Replacing weights after the first decode needs

@@ -14,8 +14,9 @@ weight format is one subclass here, its layer class and its kernel.
 - `Int8Method` ("int8"): per-output-channel int8 weights, float activations.
 - `W8A8Method` ("w8a8"): int8 weights and int8 activations per block of 32, one arithmetic
   for every call on Loom's CPU kernels (the bit-identical default mode).
-- `W4A8Method` ("w4a8"): a GGUF's Q4_K / Q6_K matrices computed from the file's own blocks
-  (`loom.models.w4a8`), every other matrix as w8a8.
+- `W4A8Method` ("w4a8", the default for a quantised GGUF on the CPU kernels): a GGUF's
+  K-quant and blocks-of-32 matrices computed from the file's own blocks (`loom.models.w4a8`),
+  every other matrix as w8a8.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class QuantMethod:
     needs_cpu_kernels = False
     # Cuts its layers into tensor-parallel shards.
     shards = True
+    # Its layers can multiply compute-bound calls in another dtype (`prefill_dtype`).
+    large_batch_dtypes = True
 
     def check(self, shard: Shard | None) -> None:
         """ValueError naming why this method cannot build the model here."""
@@ -138,8 +141,10 @@ class W4A8Method(W8A8Method):
     name = "w4a8"
     needs_cpu_kernels = True
     # A tensor-parallel rank keeps only its part of each tensor's blocks: its rows, or its
-    # columns where they fall on super-block boundaries (else its part of the values, w8a8).
+    # columns where they fall on block boundaries (else its part of the values, w8a8).
     shards = True
+    # Every call, prefill included, computes from the file's blocks.
+    large_batch_dtypes = False
 
     def blocks_hook(self, built: list[CausalLM], kept: dict[str, int]) -> BlocksHook:
         """The file blocks of every tensor the kernel computes are kept on the module that

@@ -31,7 +31,7 @@ def test_the_default_is_the_mode_the_rules_choose_for_this_host(default_engine) 
         expected.dtype, expected.quantization, expected.kv_cache_dtype)
     assert config.mode_summary == expected.describe(host)
     if host.cpu_kernels:
-        assert config.quantization == "w8a8" and config.kv_cache_dtype == "float16"
+        assert config.quantization == "w4a8" and config.kv_cache_dtype == "float16"
 
 
 def test_a_session_alternating_appends_and_generation_equals_a_fresh_forward(

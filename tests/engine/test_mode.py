@@ -31,10 +31,10 @@ def auto(quantized: bool, host: HostInfo) -> ExecutionMode:
     return choose_mode("auto", "auto", "auto", quantized, host)
 
 
-def test_a_quantized_gguf_runs_w8a8_with_a_float16_kv_cache_on_the_cpu_kernels() -> None:
+def test_a_quantized_gguf_runs_w4a8_with_a_float16_kv_cache_on_the_cpu_kernels() -> None:
     # Every host, native bf16 or not, computes prefill with the same arithmetic as decode.
     for host in (AVX2, AVX512_BF16, AMX):
-        assert auto(True, host) == ExecutionMode("float32", "w8a8", "float16")
+        assert auto(True, host) == ExecutionMode("float32", "w4a8", "float16")
 
 
 def test_auto_never_picks_a_bf16_prefill() -> None:
@@ -53,9 +53,12 @@ def test_auto_never_picks_a_bf16_prefill() -> None:
 @pytest.mark.parametrize("name", ["bfloat16", "bf16"])
 def test_an_explicit_bf16_prefill_multiplies_compute_bound_calls_in_bf16(name) -> None:
     # On float32 activations on a CPU, with int8 or float weights, on any ISA (on AVX2 it is
-    # emulated: slow, but what was asked for).
+    # emulated: slow, but what was asked for). "auto" then takes w8a8, whose int8 weights
+    # multiply in bf16 (w4a8 computes every call from the file's blocks).
     assert choose_mode("auto", "auto", "auto", True, AMX, prefill_dtype=name) == ExecutionMode(
         "float32", "w8a8", "float16", "bfloat16")
+    with pytest.raises(ValueError, match="'w4a8' computes every call from the file's blocks"):
+        choose_mode("auto", "w4a8", "auto", True, AMX, prefill_dtype=name)
     assert choose_mode("auto", "int8", "auto", True, AMX, prefill_dtype=name) == ExecutionMode(
         "float32", "int8", "float32", "bfloat16")
     assert choose_mode("float32", None, "auto", False, AVX2, prefill_dtype=name) == (
@@ -126,16 +129,17 @@ def test_explicit_choices_are_kept() -> None:
         "float32", "w8a8", "float32")
     # ... and explicit dtypes win over the host's preference.
     assert choose_mode("bfloat16", "auto", "float32", True, AVX2) == ExecutionMode(
-        "bfloat16", "w8a8", "float32")
+        "bfloat16", "w4a8", "float32")
     assert choose_mode("fp32", None, "fp16", False, AMX) == ExecutionMode(
         "float32", None, "float16")
 
 
-def test_w4a8_is_only_chosen_explicitly_and_only_on_the_cpu_kernels() -> None:
+def test_w4a8_runs_only_on_the_cpu_kernels_and_w8a8_stays_a_choice() -> None:
     for host in (AVX2, AVX512_BF16, AMX):
-        assert auto(True, host).quantization == "w8a8"
         assert choose_mode("auto", "w4a8", "float16", True, host) == ExecutionMode(
             "float32", "w4a8", "float16")
+        assert choose_mode("auto", "w8a8", "float16", True, host) == ExecutionMode(
+            "float32", "w8a8", "float16")
     for host in (NO_KERNELS, CUDA):
         with pytest.raises(ValueError, match="'w4a8' runs on Loom's CPU kernels"):
             choose_mode("auto", "w4a8", "auto", True, host)
@@ -147,8 +151,8 @@ def test_unknown_quantization_is_named() -> None:
 
 
 def test_the_startup_description_names_mode_kv_and_isa() -> None:
-    assert auto(True, AVX2).describe(AVX2) == "w8a8, kv float16, cpu avx2"
-    assert auto(True, AVX512_BF16).describe(AVX512_BF16) == "w8a8, kv float16, cpu avx512-bf16"
+    assert auto(True, AVX2).describe(AVX2) == "w4a8, kv float16, cpu avx2"
+    assert auto(True, AVX512_BF16).describe(AVX512_BF16) == "w4a8, kv float16, cpu avx512-bf16"
     assert choose_mode("auto", "auto", "auto", True, AVX512_BF16, prefill_dtype="bf16").describe(
         AVX512_BF16) == "w8a8, prefill bfloat16, kv float16, cpu avx512-bf16"
     assert auto(False, AMX).describe(AMX) == "float32, kv float32, cpu amx"

@@ -1,8 +1,8 @@
 """Sessions that outlive their engine: with a KV store configured, a session's state is saved
 beside its KV blocks each time it pauses, and a new engine on the same store (a restart)
 continues it by id, its full blocks loaded, not computed; from Python, a snapshot's bytes
-restore it in another process. In the default mode (w8a8) the continuation equals the one
-without the restart bit for bit."""
+restore it in another process. In w8a8 (bit-identical, as the default w4a8) the continuation
+equals the one without the restart bit for bit."""
 
 from __future__ import annotations
 

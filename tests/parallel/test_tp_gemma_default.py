@@ -1,11 +1,13 @@
-"""The real Gemma 3 270M in the default mode (w8a8, float16 KV) over two ranks.
+"""The real Gemma 3 270M in the default mode (w4a8, float16 KV) over two ranks, and in w8a8.
 
-The shards are quantised per shard: o_proj and down_proj rows get their scales over their half
-of the inputs, so TP=2 computes with other int8 weights than TP=1, and its logits are not
-TP=1's bits. What holds, and is tested: teacher-forced on TP=1's greedy continuations, TP=2
-picks the same token at nearly every position and its logits stay within quantisation noise
-of TP=1's; and TP=2 is itself invariant: a request's logprobs are the same bits alone or
-batched with others.
+w4a8 ranks compute from their own rows of the file's blocks (q/k/v, gate/up, the tied output
+projection) or their own columns where those fall on block boundaries (o_proj, down_proj);
+the row-parallel partial sums add in another order than TP=1's single sum. w8a8 quantises
+each shard on its own: o_proj and down_proj rows get their scales over their half of the
+inputs. Either way TP=2's logits are not TP=1's bits. What holds, and is tested:
+teacher-forced on TP=1's greedy continuations, TP=2 picks the same token at nearly every
+position and its logits stay within quantisation noise of TP=1's; and TP=2 is itself
+invariant: a request's logprobs are the same bits alone or batched with others.
 """
 
 from __future__ import annotations
@@ -74,26 +76,28 @@ def _tp2_within_noise_of_tp1(args: dict, num_prompts: int) -> LLMEngine:
     return two
 
 
-def test_tp2_default_mode_stays_within_quantisation_noise_and_is_batch_invariant(gemma_path):
+def test_tp2_default_mode_computes_each_ranks_blocks_within_noise_and_is_batch_invariant(
+    gemma_path,
+):
+    """The default (w4a8) over two ranks, every prompt."""
+    from loom.models.w4a8 import W4A8Linear
+
     two = _tp2_within_noise_of_tp1(dict(model=str(gemma_path), num_kv_blocks=256,
                                         max_num_batched_tokens=256), len(PROMPTS))
     try:
-        assert two.config.quantization == "w8a8"
+        assert two.config.quantization == "w4a8"
+        layer = two.runner.model.model.layers[0]
+        down = layer.mlp.down_proj.inner
+        assert isinstance(down, W4A8Linear) and down.in_features == 1024  # rank 0's columns
+        assert isinstance(layer.self_attn.qkv_proj, W4A8Linear)  # rank 0's rows of Q5_0
     finally:
         two.shutdown()
 
 
-def test_tp2_w4a8_computes_each_ranks_blocks_within_noise_and_is_batch_invariant(gemma_path):
-    """w4a8 over two ranks: each rank computes from its rows (or aligned columns) of the
-    file's blocks; o_proj's 320-column halves do not fall on super-block boundaries, so those
-    compute their part of the values in w8a8, and the row-parallel sums add in another
-    order."""
-    from loom.models.w4a8 import W4A8Linear
-
+def test_tp2_w8a8_quantises_each_shard_within_noise_and_is_batch_invariant(gemma_path):
     two = _tp2_within_noise_of_tp1(dict(model=str(gemma_path), num_kv_blocks=256,
-                                        max_num_batched_tokens=256, quantization="w4a8"), 2)
+                                        max_num_batched_tokens=256, quantization="w8a8"), 2)
     try:
-        down = two.runner.model.model.layers[0].mlp.down_proj.inner
-        assert isinstance(down, W4A8Linear) and down.in_features == 1024  # rank 0's columns
+        assert two.config.quantization == "w8a8"
     finally:
         two.shutdown()
