@@ -456,7 +456,7 @@ def main() -> None:
     parser.add_argument("--with-8b", action="store_true",
                         help=f"also run {BIG_SIZE} when at least {BIG_MIN_AVAILABLE_GB:.0f} GB "
                              "of memory is available")
-    parser.add_argument("--loom-modes", nargs="+", default=["auto", "w4a8"],
+    parser.add_argument("--loom-modes", nargs="+", default=["auto", "w8a8+kv16"],
                         help="Loom modes (common.loom_mode_kwargs; auto = the engine default)")
     parser.add_argument("--prompt-len", type=int, default=512, help="TTFT prompt tokens")
     parser.add_argument("--max-tokens", type=int, default=None,
@@ -537,8 +537,19 @@ def render(result: dict[str, Any]) -> str:
         "(\"prepared GiB\"), mapped: its pages become resident as the first steps read them, "
         "so the peak after the run is the warm figure to compare. llama.cpp has no prepared "
         "cache: its one load (the file mapped, already in the page cache) is in the first-load "
-        f"columns, and its mapped pages count in its RSS once read.{c.skip_notes_md(result)}"
+        f"columns, and its mapped pages count in its RSS once read.{_separate_runs(result)}"
+        f"{c.skip_notes_md(result)}"
     )
+
+
+def _separate_runs(result: dict[str, Any]) -> str:
+    """A note for each size measured in a run of its own (its results merged into this
+    one's JSON): its command, date and read bandwidth, which its limit column used."""
+    notes = [f" {size} was measured in a run of its own (`{run['command']}`, {run['date']}; "
+             f"read bandwidth {run['bandwidth_gb_s']:.1f} GB/s)."
+             for size, s in result["results"].items()
+             if (run := s.get("separate_run")) is not None]
+    return "".join(notes)
 
 
 if __name__ == "__main__":

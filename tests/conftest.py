@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_reference import TINY_ARCHS, build_tiny_model
+from tiny_gguf import every_type, write_tiny_llama
+from tiny_reference import TINY_ARCHS, build_tiny_model, build_tiny_tokenizer
 
 CUDA = torch.cuda.is_available()
 # Without a GPU, Triton kernels (the CUDA attention backend) run in Triton's interpreter. Set
@@ -29,6 +30,16 @@ def tiny_models(tmp_path_factory) -> dict[str, tuple[Path, object]]:
     """arch -> (folder, transformers reference model), built once per session."""
     root = tmp_path_factory.mktemp("tiny")
     return {arch: (root / arch, build_tiny_model(arch, root / arch)) for arch in TINY_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_folder(tmp_path_factory) -> Path:
+    """A folder holding a tiny Llama GGUF of every block type w4a8 computes (what the default
+    mode runs from the file's blocks) and the tiny tokenizer."""
+    folder = tmp_path_factory.mktemp("tiny-gguf")
+    build_tiny_tokenizer(folder)
+    write_tiny_llama(folder / "tiny-every-type.gguf", every_type)
+    return folder
 
 
 def _exact_engine(path: Path, **special_tokens: str):

@@ -38,13 +38,14 @@ class EngineArgs:
     max_model_len: int | None = None
     seed: int = 0
     session_ttl_s: float | None = 3600.0
-    # "auto": the fastest mode that keeps quality here (a quantized GGUF runs "w8a8" with a
-    # float16 KV cache on the CPU kernels; float checkpoints their dtype); None / "none":
-    # exact dequantised float weights; "int8" / "w8a8" force a mode (loom.engine.mode).
+    # "auto": the fastest mode that keeps quality here (a quantized GGUF runs "w4a8", its own
+    # blocks, with a float16 KV cache on the CPU kernels; float checkpoints their dtype);
+    # None / "none": exact dequantised float weights; "int8" / "w8a8" / "w4a8" force a mode
+    # (loom.engine.mode).
     quantization: str | None = "auto"
-    # "auto": float16 when quantization "auto" chose w8a8, else the model dtype; "float16" /
-    # "bfloat16" halve a float32 model's KV memory and the bytes decode attention reads (CPU
-    # kernels read float16 natively).
+    # "auto": float16 when quantization "auto" chose w4a8 (or w8a8), else the model dtype;
+    # "float16" / "bfloat16" halve a float32 model's KV memory and the bytes decode attention
+    # reads (CPU kernels read float16 natively).
     kv_cache_dtype: str = "auto"
     # "auto": prefill chunks and large batches compute with the same arithmetic as decode;
     # "bfloat16" multiplies them in bf16 (faster on CPUs with native bf16: AVX-512 BF16,
@@ -96,7 +97,7 @@ class EngineConfig:
     max_model_len: int
     seed: int
     session_ttl_s: float | None
-    quantization: str | None  # resolved: None, "int8" or "w8a8"
+    quantization: str | None  # resolved: None, "int8", "w8a8" or "w4a8"
     kv_cache_dtype: str  # resolved: the dtype name the KV pool is stored in
     speculative: SpeculativeConfig | None  # None: no speculative decoding
     # Model facts the engine needs (from the model's config, not the runner).

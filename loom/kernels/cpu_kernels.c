@@ -1778,9 +1778,9 @@ static inline int w4_lo_shift(int kk) { return 4 * ((kk / 4) % 2); }
 /* Q6_K's byte of k-in-super-block kk, column c. */
 static inline int w4_byte_at(int c, int kk) { return (kk / 4) * 32 + c * 4 + kk % 4; }
 
-/* raw: the file's blocks of a [n, k] tensor (rows of k / 256 super-blocks); out: the packed
- * layout above (zeroed by the caller). Returns 0, or -1 for another type or a k that is not
- * a multiple of 256. */
+/* raw: the file's blocks of a [n, k] tensor (rows of k / 256 super-blocks, or k / 32 blocks);
+ * out: the packed layout above, or the blocks of 32's below (zeroed by the caller). Returns
+ * 0, or -1 for another type or a k that is not a multiple of the type's block. */
 LOOM_EXPORT int64_t loom_w4a8_pack(int64_t type, const uint8_t *raw, int64_t n, int64_t k,
                                    uint8_t *out) {
     const int64_t rec = w4_record_bytes(type), rk = w4_record_k(type);
@@ -1956,6 +1956,73 @@ static inline __m256i w4_i8x8(const uint8_t *p) {
 /* Software prefetch distance over a group's records (the DRAM stream of a decode step). */
 #define W4_PREFETCH_RECORDS 4
 
+/* acc + the exact products of Q8_0's stored values wu (int8 + 128) and 4 activations a lane.
+ * VNNI multiplies wu itself (the block starts from -128 X); AVX2 restores the int8 w and
+ * multiplies |w| (up to 128: a file may hold -128, which w8a8's dot4x8_i8 cannot negate) by
+ * x carrying w's sign (|x| <= 127): pairs of at most 2 * 128 * 127, exact in int16. */
+static inline __m256i dot4x8_q8_0(__m256i acc, __m256i wu, __m256i xb) {
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+    return dot_u8s8(acc, wu, xb);
+#else
+    const __m256i w = _mm256_xor_si256(wu, _mm256_set1_epi8((char)0x80));
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xb, w));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+
+/* iacc[r][c] + the exact products of one block of 32 activations (at: its first k) of rows
+ * r0 .. r0 + R with C groups' weights at q[c]: nibbles (Q4_K's lo area, Q4_0, Q4_1), 4 steps
+ * of 8 k; or one byte a value (Q5_K, Q5_0, Q5_1; Q8_0's value + 128 with `q8`), 8 steps of
+ * 4 k. The integer sums are exact in any order. */
+static inline __attribute__((always_inline)) void w4_block_dots(
+    __m256i iacc[W4_MAXR][W4_MAXC], const uint8_t *const q[W4_MAXC], int nibbles, int q8,
+    const W4Act *a, int64_t r0, int R, int C, int64_t k, int64_t at) {
+    if (nibbles) {
+        const __m256i low4 = _mm256_set1_epi8(15);
+        for (int v = 0; v < 4; v++) {
+            __m256i lo[W4_MAXC], hi[W4_MAXC];
+            for (int c = 0; c < C; c++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(q[c] + v * 32));
+                lo[c] = _mm256_and_si256(raw, low4);
+                hi[c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            }
+            for (int r = 0; r < R; r++) {
+                const __m256i x0 = w4_x4(a, r0 + r, k, at + 8 * v);
+                const __m256i x1 = w4_x4(a, r0 + r, k, at + 8 * v + 4);
+                for (int c = 0; c < C; c++)
+                    iacc[r][c] = dot_u8s8(dot_u8s8(iacc[r][c], lo[c], x0), hi[c], x1);
+            }
+        }
+        return;
+    }
+    for (int t = 0; t < 8; t++) {
+        __m256i w[W4_MAXC];
+        for (int c = 0; c < C; c++) w[c] = _mm256_loadu_si256((const __m256i *)(q[c] + t * 32));
+        for (int r = 0; r < R; r++) {
+            const __m256i x = w4_x4(a, r0 + r, k, at + 4 * t);
+            for (int c = 0; c < C; c++)
+                iacc[r][c] = q8 ? dot4x8_q8_0(iacc[r][c], w[c], x) : dot_u8s8(iacc[r][c], w[c], x);
+        }
+    }
+}
+
+/* y[r0 + r, columns of groups g0 + c] = acc[r][c] (+ bias): a tile's results, the last
+ * group's padding columns left out. */
+static inline __attribute__((always_inline)) void w4_store_tile(
+    __m256 acc[W4_MAXR][W4_MAXC], int R, int C, int64_t r0, int64_t g0, int64_t n,
+    const float *bias, float *y, int64_t ny) {
+    for (int c = 0; c < C; c++) {
+        const int64_t col = (g0 + c) * COLS;
+        const int64_t valid = n - col < COLS ? n - col : COLS;
+        for (int r = 0; r < R; r++) {
+            float v[COLS];
+            _mm256_storeu_ps(v, acc[r][c]);
+            float *yr = y + (r0 + r) * ny + col;
+            for (int64_t i = 0; i < valid; i++) yr[i] = bias ? v[i] + bias[col + i] : v[i];
+        }
+    }
+}
+
 /* y[r0 .. r0 + R, columns of groups g0 .. g0 + C] of one segment, as the arithmetic above
  * says; w: the segment's packed weight, n its columns, y0 the segment's first column in y
  * (row stride ny). */
@@ -1963,7 +2030,6 @@ static inline __attribute__((always_inline)) void w4_tile(
     int64_t type, const W4Act *a, int64_t r0, int R, int64_t k, const uint8_t *w, int64_t g0,
     int C, int64_t n, const float *bias, float *y, int64_t ny, int prefetch) {
     const int64_t nsb = k / W4_SB, nb = k / QBLOCK, rec = w4_record_bytes(type);
-    const __m256i low4 = _mm256_set1_epi8(15);
     /* Q4_K's and Q5_K's minimum terms: in the main loop where registers allow (decode),
      * else in their own pass over the blocks (below); the same operations in the same
      * order either way */
@@ -1984,31 +2050,10 @@ static inline __attribute__((always_inline)) void w4_tile(
                 __m256i iacc[W4_MAXR][W4_MAXC];
                 for (int r = 0; r < R; r++)
                     for (int c = 0; c < C; c++) iacc[r][c] = _mm256_setzero_si256();
-                for (int t = 0; type == W4_Q5K && t < 8; t++) { /* bytes, steps of 4 k */
-                    __m256i q[W4_MAXC];
-                    for (int c = 0; c < C; c++)
-                        q[c] = _mm256_loadu_si256(
-                            (const __m256i *)(rc[c] + 192 + j * 256 + t * 32));
-                    for (int r = 0; r < R; r++) {
-                        const __m256i x = w4_x4(a, r0 + r, k, at + 4 * t);
-                        for (int c = 0; c < C; c++) iacc[r][c] = dot_u8s8(iacc[r][c], q[c], x);
-                    }
-                }
-                for (int v = 0; type == W4_Q4K && v < 4; v++) { /* nibbles, steps of 8 k */
-                    __m256i lo[W4_MAXC], hi[W4_MAXC];
-                    for (int c = 0; c < C; c++) {
-                        const __m256i raw = _mm256_loadu_si256(
-                            (const __m256i *)(rc[c] + 192 + j * 128 + v * 32));
-                        lo[c] = _mm256_and_si256(raw, low4);
-                        hi[c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                    }
-                    for (int r = 0; r < R; r++) {
-                        const __m256i x0 = w4_x4(a, r0 + r, k, at + 8 * v);
-                        const __m256i x1 = w4_x4(a, r0 + r, k, at + 8 * v + 4);
-                        for (int c = 0; c < C; c++)
-                            iacc[r][c] = dot_u8s8(dot_u8s8(iacc[r][c], lo[c], x0), hi[c], x1);
-                    }
-                }
+                const uint8_t *q[W4_MAXC];
+                for (int c = 0; c < C; c++)
+                    q[c] = rc[c] + 192 + j * (type == W4_Q4K ? 128 : 256);
+                w4_block_dots(iacc, q, type == W4_Q4K, 0, a, r0, R, C, k, at);
                 for (int c = 0; c < C; c++) {
                     const __m256 ds = _mm256_mul_ps(_mm256_loadu_ps((const float *)rc[c]),
                                                     w4_u8x8(rc[c] + 64 + j * 8));
@@ -2123,16 +2168,7 @@ static inline __attribute__((always_inline)) void w4_tile(
     }
     for (int r = 0; w4_has_mins(type) && r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_sub_ps(acc[r][c], mins[r][c]);
-    for (int c = 0; c < C; c++) {
-        const int64_t col = (g0 + c) * COLS;
-        const int64_t valid = n - col < COLS ? n - col : COLS;
-        for (int r = 0; r < R; r++) {
-            float v[COLS];
-            _mm256_storeu_ps(v, acc[r][c]);
-            float *yr = y + (r0 + r) * ny + col;
-            for (int64_t i = 0; i < valid; i++) yr[i] = bias ? v[i] + bias[col + i] : v[i];
-        }
-    }
+    w4_store_tile(acc, R, C, r0, g0, n, bias, y, ny);
 }
 
 /* ---- w4a8 over blocks of 32: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 ----
@@ -2154,20 +2190,6 @@ static inline __attribute__((always_inline)) void w4_tile(
  * in the oracle. The offset enters as the block's starting sum; AVX2 without VNNI multiplies
  * Q8_0's signed values directly (dot4x8_q8_0) and so starts from 0. */
 
-/* acc + the exact products of Q8_0's stored values wu (int8 + 128) and 4 activations a lane.
- * VNNI multiplies wu itself (the block starts from -128 X); AVX2 restores the int8 w and
- * multiplies |w| (up to 128: a file may hold -128, which w8a8's dot4x8_i8 cannot negate) by
- * x carrying w's sign (|x| <= 127): pairs of at most 2 * 128 * 127, exact in int16. */
-static inline __m256i dot4x8_q8_0(__m256i acc, __m256i wu, __m256i xb) {
-#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
-    return dot_u8s8(acc, wu, xb);
-#else
-    const __m256i w = _mm256_xor_si256(wu, _mm256_set1_epi8((char)0x80));
-    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xb, w));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-#endif
-}
-
 /* Records of prefetch distance along a group's stream, about what the K-quants' run ahead. */
 #define W4_B32_PREFETCH_BYTES 4864
 
@@ -2179,7 +2201,6 @@ static inline __attribute__((always_inline)) void w4_tile_b32(
     const int nibbles = w4_b32_nibbles(type);
     const int32_t offset = w4_b32_offset(type);
     const int INLINE_MINS = has_m && R * C <= 2;
-    const __m256i low4 = _mm256_set1_epi8(15);
     __m256 acc[W4_MAXR][W4_MAXC], mins[W4_MAXR][W4_MAXC];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = mins[r][c] = _mm256_setzero_ps();
@@ -2199,35 +2220,9 @@ static inline __attribute__((always_inline)) void w4_tile_b32(
 #endif
             for (int c = 0; c < C; c++) iacc[r][c] = start;
         }
-        if (nibbles) {
-            for (int v = 0; v < 4; v++) { /* nibbles, steps of 8 k */
-                __m256i lo[W4_MAXC], hi[W4_MAXC];
-                for (int c = 0; c < C; c++) {
-                    const __m256i raw = _mm256_loadu_si256(
-                        (const __m256i *)(rc[c] + qat + v * 32));
-                    lo[c] = _mm256_and_si256(raw, low4);
-                    hi[c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                }
-                for (int r = 0; r < R; r++) {
-                    const __m256i x0 = w4_x4(a, r0 + r, k, at + 8 * v);
-                    const __m256i x1 = w4_x4(a, r0 + r, k, at + 8 * v + 4);
-                    for (int c = 0; c < C; c++)
-                        iacc[r][c] = dot_u8s8(dot_u8s8(iacc[r][c], lo[c], x0), hi[c], x1);
-                }
-            }
-        } else {
-            for (int t = 0; t < 8; t++) { /* bytes, steps of 4 k */
-                __m256i q[W4_MAXC];
-                for (int c = 0; c < C; c++)
-                    q[c] = _mm256_loadu_si256((const __m256i *)(rc[c] + qat + t * 32));
-                for (int r = 0; r < R; r++) {
-                    const __m256i x = w4_x4(a, r0 + r, k, at + 4 * t);
-                    for (int c = 0; c < C; c++)
-                        iacc[r][c] = type == W4_Q8_0 ? dot4x8_q8_0(iacc[r][c], q[c], x)
-                                                     : dot_u8s8(iacc[r][c], q[c], x);
-                }
-            }
-        }
+        const uint8_t *q[W4_MAXC];
+        for (int c = 0; c < C; c++) q[c] = rc[c] + qat;
+        w4_block_dots(iacc, q, nibbles, type == W4_Q8_0, a, r0, R, C, k, at);
         for (int c = 0; c < C; c++) {
             const __m256 d = _mm256_loadu_ps((const float *)rc[c]);
             for (int r = 0; r < R; r++) {
@@ -2252,16 +2247,7 @@ static inline __attribute__((always_inline)) void w4_tile_b32(
         }
     for (int r = 0; has_m && r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_add_ps(acc[r][c], mins[r][c]);
-    for (int c = 0; c < C; c++) {
-        const int64_t col = (g0 + c) * COLS;
-        const int64_t valid = n - col < COLS ? n - col : COLS;
-        for (int r = 0; r < R; r++) {
-            float v[COLS];
-            _mm256_storeu_ps(v, acc[r][c]);
-            float *yr = y + (r0 + r) * ny + col;
-            for (int64_t i = 0; i < valid; i++) yr[i] = bias ? v[i] + bias[col + i] : v[i];
-        }
-    }
+    w4_store_tile(acc, R, C, r0, g0, n, bias, y, ny);
 }
 
 static void w4_tile_any(int64_t type, const W4Act *a, int64_t r0, int R, int64_t k,

@@ -93,8 +93,8 @@ class KVCacheSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    # The weights' mode (None, "int8", "w8a8"): K/V computed from int8 weights differ from
-    # the float ones, so a store never mixes them.
+    # The weights' mode (None, "int8", "w8a8", "w4a8"): K/V computed from quantised weights
+    # differ from the float ones, so a store never mixes them.
     quantization: str | None = None
     # The dtype prefill chunks and large batches multiplied in (`prefill_dtype`; None: the
     # same arithmetic as decode): K/V from a bf16 prefill differ from K/V computed in int8 /

@@ -14,10 +14,10 @@ exactly those of the same request computed alone, with one fresh prefill, by an 
 the same arguments but a big budget, no prefix cache and a roomy pool.
 
 The default mode is what `LLM(model="gemma3-270m")` resolves to on the CPU kernels:
-w8a8 weights and activations, float32 compute, a float16 KV cache (where bfloat16 measures
-faster, `dtype="auto"` also runs matmuls of 128+ rows in bfloat16: the real-model test in
-test_batch_invariance_gemma.py covers that). The tiny float models get the three from
-`DEFAULT_MODE`.
+w4a8 (the file's blocks times int8 activations), float32 compute, a float16 KV cache. The
+tiny float models have no file blocks: they run w8a8 (`DEFAULT_MODE`), the same arithmetic
+with int8 weights per channel; a tiny Llama GGUF of every block type w4a8 computes runs in
+the engine's own defaults.
 
 Examples are derandomized (the same ones every run) and not shrunk (a failure prints the
 whole scenario instead); `LOOM_INVARIANCE_EXAMPLES` raises their number per architecture.
@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +39,7 @@ from tiny_reference import TINY_ARCHS
 
 from loom import SamplingParams
 from loom.kernels import cpu_kernels_available
+from loom.models.quant import Int8Linear
 
 # The guarantee is the C kernels' (fixed reduction orders); the torch fallback that runs
 # without them (LOOM_CPU_KERNELS=0, a CPU no variant runs on) agrees only to rounding.
@@ -45,6 +47,12 @@ pytestmark = pytest.mark.skipif(not cpu_kernels_available(),
                                 reason="the default mode's bit-exactness needs the CPU kernels")
 
 DEFAULT_MODE = dict(quantization="w8a8", dtype="float32", kv_cache_dtype="float16")
+
+
+def mode_of(folder) -> dict:
+    """The mode a model runs in here: the tiny float models get DEFAULT_MODE (what a
+    quantised GGUF would give them), a folder holding a GGUF the engine's defaults."""
+    return {} if any(Path(folder).glob("*.gguf")) else DEFAULT_MODE
 BLOCK_SIZE = 4
 GEN_TOKENS = 12
 TOP_LOGPROBS = 3
@@ -106,7 +114,7 @@ class Scenario:
         spec = None if not self.num_drafts else {
             "method": "ngram", "num_speculative_tokens": self.num_drafts,
             "prompt_lookup_min": 1}
-        return dict(**DEFAULT_MODE, block_size=BLOCK_SIZE, max_num_batched_tokens=self.budget,
+        return dict(block_size=BLOCK_SIZE, max_num_batched_tokens=self.budget,
                     enable_prefix_caching=self.prefix_cache, num_kv_blocks=self.num_kv_blocks,
                     speculative_config=spec, max_step_ms=self.max_step_ms)
 
@@ -173,7 +181,7 @@ def _reference_engine(folder):
     key = str(folder)
     if key not in _REFERENCE_ENGINES:
         _REFERENCE_ENGINES[key] = make_engine(
-            folder, **DEFAULT_MODE, block_size=BLOCK_SIZE, max_num_batched_tokens=1024,
+            folder, **mode_of(folder), block_size=BLOCK_SIZE, max_num_batched_tokens=1024,
             enable_prefix_caching=False, num_kv_blocks=1024)
     return _REFERENCE_ENGINES[key]
 
@@ -224,7 +232,7 @@ def run_scenario(folder, scenario: Scenario) -> tuple[dict, dict, object, dict]:
     """Run every request; (request id -> final RequestOutput, session id -> stored logits
     after its last fragment, engine stats, interject request id -> tokens generated before
     its fragment was appended)."""
-    engine = make_engine(folder, **scenario.engine_kwargs())
+    engine = make_engine(folder, **mode_of(folder), **scenario.engine_kwargs())
     outputs: dict[str, object] = {}
     sessions: dict[str, _Live] = {}
     interjects = {f"r{i}": r for i, r in enumerate(scenario.requests) if r.kind == "interject"}
@@ -357,9 +365,17 @@ def compare(folder, scenario: Scenario, outputs: dict, logits: dict,
     return problems
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_tokens_and_logprobs_do_not_depend_on_the_batch(tiny_models, arch):
-    folder, _ = tiny_models[arch]
+@pytest.mark.parametrize("arch", [*TINY_ARCHS, "llama-gguf-every-type"])
+def test_tokens_and_logprobs_do_not_depend_on_the_batch(tiny_models, tiny_gguf_folder, arch):
+    """Every tiny architecture in DEFAULT_MODE, and a tiny Llama GGUF of every block type
+    w4a8 computes in the engine's default mode (w4a8: K-quants in one layer, the blocks of
+    32 in the other)."""
+    gguf = arch == "llama-gguf-every-type"
+    folder = tiny_gguf_folder if gguf else tiny_models[arch][0]
+    if gguf:  # every matrix from the file's blocks, none re-quantised to int8
+        engine = _reference_engine(folder)
+        assert engine.config.quantization == "w4a8"
+        assert not any(isinstance(m, Int8Linear) for m in engine.runner.model.modules())
     seen = {"preemptions": 0, "hits": 0, "accepted": 0, "sessions": 0, "forks": 0,
             "interjections": 0, "time budgets": 0}
 
@@ -399,7 +415,7 @@ def test_a_greedy_rows_logprobs_do_not_depend_on_sampled_neighbours(tiny_models)
     seeded = Req("seeded", tuple(range(80, 100)), 0, seed=1).params()
     prompt = list(range(40, 60))
     alone = reference_outputs(folder, tuple(prompt), greedy)[0]
-    engine = make_engine(folder, **DEFAULT_MODE, block_size=BLOCK_SIZE,
+    engine = make_engine(folder, **mode_of(folder), block_size=BLOCK_SIZE,
                          enable_prefix_caching=False, num_kv_blocks=1024)
     engine.add_request("greedy", prompt, greedy)
     engine.add_request("seeded", list(range(80, 100)), seeded)

@@ -8,11 +8,12 @@ the same model."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from tiny_gguf import F16, FFN, HEADS, HIDDEN, KV_HEADS, Q4_K, Q5_K, Q6_K, VOCAB, write_tiny_llama
 from tiny_models import chunk
 
 from loom.kernels import cpu_kernels_available
@@ -21,70 +22,18 @@ from loom.runner import ModelRunner, build_model
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="w4a8 runs on the kernels")
 
-HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 512
-Q4_K, Q5_K, Q6_K = 12, 13, 14
 
-
-def _k_blocks(rng: np.random.Generator, rows: int, cols: int, type_id: int) -> np.ndarray:
-    """Random blocks with scales small enough for weights of a few hundredths."""
-    count = rows * cols // 256
-    size = {Q4_K: 144, Q5_K: 176, Q6_K: 210}[type_id]
-    blocks = rng.integers(0, 256, size=(count, size), dtype=np.uint8)
-    if type_id == Q6_K:
-        blocks[:, 192:208] &= 0x07  # small int8 sub-block scales
-    else:
-        blocks[:, 4:16] &= 0x0F  # small six-bit scales and mins
-    span = 1.0 if type_id == Q4_K else 0.5  # Q5_K's and Q6_K's values reach 31 and 63
-    for at in ((208,) if type_id == Q6_K else (0, 2)):
-        scales = (span * (rng.random(count, dtype=np.float32) * 2e-3 + 5e-4)).astype(np.float16)
-        blocks[:, at:at + 2] = scales.view(np.uint8).reshape(count, 2)
-    return blocks.reshape(rows, -1)
+def _q4_k_m(v_type: int) -> Callable[[str, int], int]:
+    """Q4_K_M's mix: Q6_K for v, down and the tied embedding, Q4_K elsewhere, up as Q5_K;
+    attn_v in `v_type` (F16: a type the kernel does not compute)."""
+    types = {"q": Q4_K, "k": Q4_K, "v": v_type, "o": Q4_K, "gate": Q4_K, "up": Q5_K,
+             "down": Q6_K, "embedding": Q6_K}
+    return lambda role, layer: types[role]
 
 
 @pytest.fixture(scope="module")
 def k_quant_llama(tmp_path_factory) -> Path:
-    return _write_llama(tmp_path_factory.mktemp("w4a8") / "tiny-q4km.gguf", v_type=Q6_K)
-
-
-def _write_llama(path: Path, v_type: int) -> Path:
-    """The tiny file, attn_v in `v_type` (F16: a type the kernel does not compute)."""
-    rng = np.random.default_rng(0)
-    types = gguf.GGMLQuantizationType
-    writer = gguf.GGUFWriter(str(path), arch="llama")
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-
-    def matrix(name: str, rows: int, cols: int, type_id: int) -> None:
-        if type_id == int(types.F16):
-            values = rng.standard_normal((rows, cols), dtype=np.float32) * 0.05
-            writer.add_tensor(name, values.astype(np.float16))
-            return
-        writer.add_tensor(name, _k_blocks(rng, rows, cols, type_id), raw_dtype=types(type_id))
-
-    kv = KV_HEADS * HIDDEN // HEADS
-    matrix("token_embd.weight", VOCAB, HIDDEN, Q6_K)  # tied: the output's type
-    for i in range(LAYERS):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-        matrix(f"blk.{i}.attn_q.weight", HIDDEN, HIDDEN, Q4_K)
-        matrix(f"blk.{i}.attn_k.weight", kv, HIDDEN, Q4_K)
-        matrix(f"blk.{i}.attn_v.weight", kv, HIDDEN, v_type)
-        matrix(f"blk.{i}.attn_output.weight", HIDDEN, HIDDEN, Q4_K)
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-        matrix(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN, Q4_K)
-        matrix(f"blk.{i}.ffn_up.weight", FFN, HIDDEN, Q5_K)
-        matrix(f"blk.{i}.ffn_down.weight", HIDDEN, FFN, Q6_K)
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_tiny_llama(tmp_path_factory.mktemp("w4a8") / "tiny-q4km.gguf", _q4_k_m(Q6_K))
 
 
 def _logits(config, model, prompt: list[int], step: int) -> torch.Tensor:
@@ -145,7 +94,7 @@ def test_a_stack_with_a_part_the_kernel_cannot_compute_is_w8a8_of_the_files_valu
     from loom.models.w4a8 import W4A8Linear
 
     monkeypatch.setenv("LOOM_PREPARED_CACHE", "0")
-    path = _write_llama(tmp_path / "f16-v.gguf", v_type=1)
+    path = write_tiny_llama(tmp_path / "f16-v.gguf", _q4_k_m(F16))
     _, w4 = build_model(path, quantization="w4a8")
     _, w8 = build_model(path, quantization="w8a8")
     for a, b in zip(w4.model.layers, w8.model.layers, strict=True):

@@ -1,0 +1,104 @@
+"""Tiny Llama-architecture GGUF files whose matrices are random blocks of the GGUF types
+w4a8 computes (the K-quants and the blocks of 32), for tests of the default mode on
+quantised files without a download."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB = 256, 512, 2, 4, 2, 512
+F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 1, 2, 3, 6, 7, 8, 12, 13, 14
+BLOCK = {Q4_0: (18, 32), Q4_1: (20, 32), Q5_0: (22, 32), Q5_1: (24, 32), Q8_0: (34, 32),
+         Q4_K: (144, 256), Q5_K: (176, 256), Q6_K: (210, 256)}
+# The largest integer a type's d multiplies (|q - offset| or q), so that d = SPAN / it keeps
+# the weights to a few hundredths.
+_REACH = {Q4_0: 8, Q4_1: 15, Q5_0: 16, Q5_1: 31, Q8_0: 127}
+SPAN = 0.04
+
+
+def random_blocks(rng: np.random.Generator, rows: int, cols: int, type_id: int) -> np.ndarray:
+    """Random blocks of a [rows, cols] tensor, scales small enough for weights of a few
+    hundredths: uint8 [rows, bytes per row]."""
+    size, values = BLOCK[type_id]
+    count = rows * cols // values
+    blocks = rng.integers(0, 256, size=(count, size), dtype=np.uint8)
+
+    def f16(at: int, scales: np.ndarray) -> None:
+        blocks[:, at:at + 2] = scales.astype(np.float16).view(np.uint8).reshape(count, 2)
+
+    jitter = rng.random(count, dtype=np.float32) * 0.5 + 0.5
+    if type_id in _REACH:
+        f16(0, SPAN / _REACH[type_id] * jitter)
+        if type_id in (Q4_1, Q5_1):  # m: the block's offset, about minus half the span
+            f16(2, -SPAN / 2 * jitter)
+        return blocks.reshape(rows, -1)
+    if type_id == Q6_K:
+        blocks[:, 192:208] &= 0x07  # small int8 sub-block scales
+    else:
+        blocks[:, 4:16] &= 0x0F  # small six-bit scales and mins
+    span = 1.0 if type_id == Q4_K else 0.5  # Q5_K's and Q6_K's values reach 31 and 63
+    for at in ((208,) if type_id == Q6_K else (0, 2)):
+        f16(at, span * (rng.random(count, dtype=np.float32) * 2e-3 + 5e-4))
+    return blocks.reshape(rows, -1)
+
+
+def write_tiny_llama(path: Path, type_of: Callable[[str, int], int], seed: int = 0) -> Path:
+    """A 2-layer Llama GGUF at `path`: `type_of(role, layer)` gives each matrix's GGUF type
+    (roles q, k, v, o, gate, up, down; "embedding" with layer -1 for the tied embedding);
+    F16 writes float values (a type the w4a8 kernel does not compute)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    types = gguf.GGMLQuantizationType
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+
+    def matrix(name: str, rows: int, cols: int, type_id: int) -> None:
+        if type_id == F16:
+            values = rng.standard_normal((rows, cols), dtype=np.float32) * 0.05
+            writer.add_tensor(name, values.astype(np.float16))
+            return
+        writer.add_tensor(name, random_blocks(rng, rows, cols, type_id),
+                          raw_dtype=types(type_id))
+
+    kv = KV_HEADS * HIDDEN // HEADS
+    matrix("token_embd.weight", VOCAB, HIDDEN, type_of("embedding", -1))  # tied: the output
+    for i in range(LAYERS):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+        for role, name, rows, cols in (("q", "attn_q", HIDDEN, HIDDEN), ("k", "attn_k", kv, HIDDEN),
+                                       ("v", "attn_v", kv, HIDDEN),
+                                       ("o", "attn_output", HIDDEN, HIDDEN)):
+            matrix(f"blk.{i}.{name}.weight", rows, cols, type_of(role, i))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+        matrix(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN, type_of("gate", i))
+        matrix(f"blk.{i}.ffn_up.weight", FFN, HIDDEN, type_of("up", i))
+        matrix(f"blk.{i}.ffn_down.weight", HIDDEN, FFN, type_of("down", i))
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# Q4_K_M's mix in layer 0's K-quants (and one Q5_K), every block of 32 in layer 1.
+EVERY_TYPE = {
+    0: {"q": Q4_K, "k": Q5_K, "v": Q6_K, "o": Q4_K, "gate": Q4_K, "up": Q5_K, "down": Q6_K},
+    1: {"q": Q4_0, "k": Q4_1, "v": Q8_0, "o": Q5_0, "gate": Q5_1, "up": Q4_0, "down": Q8_0},
+    -1: {"embedding": Q6_K},
+}
+
+
+def every_type(role: str, layer: int) -> int:
+    """`write_tiny_llama`'s types for a file of every type w4a8 computes."""
+    return EVERY_TYPE[layer][role]
