@@ -7,7 +7,9 @@ float32's (teacher-forced agreement). The text is also computed as one prompt (t
 path: large matmuls, in bf16 on hosts where the mode chooses it) for a second perplexity.
 Then every prompt of a fixed set is continued greedily and we count the share of generated
 tokens identical to float32's at the same position, and how many tokens stay identical
-before the first change.
+before the first change. llama.cpp runs the same token ids on the same file (its own
+quantised arithmetic: the peer's quality on this file), one prompt for the text's
+perplexity, and the same greedy continuations.
 """
 
 from __future__ import annotations
@@ -122,17 +124,47 @@ def evaluate(engine: Any, text_ids: list[int], prompts: list[list[int]], max_tok
                            "perplexity_prefill": perplexity(prefill_logits(engine, text_ids),
                                                             text_ids),
                            "top1": top1.tolist(), "greedy": outs}
-    if ref is not None:
-        row["top1_agreement"] = round((top1 == torch.tensor(ref["top1"])).float().mean().item(), 4)
-        same = sum(a == b for o, r in zip(outs, ref["greedy"], strict=True)
-                   for a, b in zip(o, r, strict=True))
-        row["greedy_identical_share"] = round(same / sum(len(o) for o in outs), 4)
-        prefix = []
-        for o, r in zip(outs, ref["greedy"], strict=True):
-            n = next((i for i, (a, b) in enumerate(zip(o, r, strict=True)) if a != b), len(o))
-            prefix.append(n)
-        row["tokens_before_first_change"] = prefix
+    return row if ref is None else agreement(row, ref)
+
+
+def agreement(row: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    """`row` with its top-1 and greedy agreement with the float32 row `ref`."""
+    top1, outs = torch.tensor(row["top1"]), row["greedy"]
+    row["top1_agreement"] = round((top1 == torch.tensor(ref["top1"])).float().mean().item(), 4)
+    same = sum(a == b for o, r in zip(outs, ref["greedy"], strict=True)
+               for a, b in zip(o, r, strict=True))
+    row["greedy_identical_share"] = round(same / sum(len(o) for o in outs), 4)
+    prefix = []
+    for o, r in zip(outs, ref["greedy"], strict=True):
+        n = next((i for i, (a, b) in enumerate(zip(o, r, strict=True)) if a != b), len(o))
+        prefix.append(n)
+    row["tokens_before_first_change"] = prefix
     return row
+
+
+def llama_cpp_row(args: Any, text_ids: list[int], prompts: list[list[int]], max_tokens: int,
+                  ref: dict[str, Any]) -> dict[str, Any] | None:
+    """evaluate()'s row for llama.cpp on the same file and token ids (None: skipped)."""
+    import numpy as np
+
+    llm = c.load_llama_cpp(args.model, n_ctx=len(text_ids) + 64, threads=args.threads,
+                           disabled=args.no_llama_cpp, logits_all=True)
+    if llm is None:
+        return None
+    llm.reset()
+    llm.eval(text_ids)
+    logits = torch.from_numpy(np.array(llm.scores[:len(text_ids)], dtype=np.float32))
+    outs = []
+    for prompt in prompts:
+        tokens: list[int] = []
+        for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0,
+                                  reset=True):
+            tokens.append(int(token))
+            if len(tokens) == max_tokens:
+                break
+        outs.append(tokens)
+    return agreement({"perplexity": perplexity(logits, text_ids),
+                      "top1": logits[:-1].argmax(-1).tolist(), "greedy": outs}, ref)
 
 
 def main() -> None:
@@ -162,6 +194,11 @@ def main() -> None:
         if ref is None:
             ref = results[mode]
         del engine
+    if ref is not None:
+        c.log("llama.cpp")
+        row = llama_cpp_row(args, text_ids, prompts, max_tokens, ref)
+        if row is not None:
+            results["llama.cpp"] = row
     sizes = (f"text of {len(text_ids)} tokens one per step; {len(prompts_text)} prompts x "
              f"{max_tokens} greedy tokens")
     result = c.header(NAME, args, dtype="float32 reference", sizes_note=sizes,
@@ -184,7 +221,10 @@ def render(result: dict[str, Any]) -> str:
     )
     return (f"{table}\n\nint8: weight-only int8 (per-channel), float32 activations; w8a8: int8 "
             "weights and activations rounded to int8 per block of 32 in the decode kernel; "
-            "+kv16: the KV cache stored in float16.")
+            "+kv16: the KV cache stored in float16; w4a8: the file's own blocks times int8 "
+            "activations per block of 32 (the default for a quantised GGUF); llama.cpp: the "
+            "same file and token ids in llama.cpp's own arithmetic (its text perplexity from "
+            "one prompt).")
 
 
 if __name__ == "__main__":

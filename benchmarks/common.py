@@ -317,8 +317,9 @@ def hf_pad_id(hf: Any) -> int:
 
 
 def load_llama_cpp(model: str, n_ctx: int, threads: int, n_batch: int = 512,
-                   disabled: bool = False) -> Any | None:
-    """A `llama_cpp.Llama` on the same GGUF file, or None (printed why)."""
+                   disabled: bool = False, logits_all: bool = False) -> Any | None:
+    """A `llama_cpp.Llama` on the same GGUF file, or None (printed why). `logits_all`: keep
+    every position's logits (`Llama.scores`), not just the last."""
     if disabled:
         skip("llama.cpp: skipped (--no-llama-cpp)")
         return None
@@ -339,6 +340,7 @@ def load_llama_cpp(model: str, n_ctx: int, threads: int, n_batch: int = 512,
             n_ubatch=n_batch,
             n_threads=threads,
             n_threads_batch=threads,
+            logits_all=logits_all,
             verbose=False,
         )
     except Exception as exc:

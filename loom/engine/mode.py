@@ -11,11 +11,11 @@ the host can do (`HostInfo`), so its rules are tested on any machine. The rules:
   "w8a8" (every matrix re-quantised to int8 per output channel) stays a choice.
   The issue that made w4a8 the default asked for it only where it is at least as fast as
   w8a8 at decode and at prefill. It decodes 1.4-1.7x faster on every shape measured (0.27B
-  to 8B) and loads in half the time and memory, but its compute-bound calls measure up to
-  15% slower on 1-8B files (27% on Gemma 3 270M): the weights' per-block scales cost one
-  more float multiply per block of 32 and output than w8a8's per-channel scale
-  (docs/performance.md, "w4a8 as the default"). A prompt of 512 tokens with 128 tokens out
-  still finishes sooner at every size, so "auto" takes w4a8 (`AUTO_QUANTIZED_GGUF`);
+  to 8B) and loads in 0.4-0.75x the time and 0.6x the memory, but its compute-bound calls
+  measure up to 15% slower on 1-8B files (27% on Gemma 3 270M): the weights' per-block
+  scales cost one more float multiply per block of 32 and output than w8a8's per-channel
+  scale (docs/performance.md, "w4a8 as the default"). A prompt of 512 tokens with 128 tokens
+  out still finishes sooner at every size, so "auto" takes w4a8 (`AUTO_QUANTIZED_GGUF`);
   `quantization="w8a8"` is the choice for prompt-heavy batch work.
 - `dtype="auto"`: on a CPU with the kernels, float32 (their fused decode takes float32
   activations: on an AVX-512 BF16 host it decoded 33 tok/s where a bf16 model managed 19-25);

@@ -13,7 +13,7 @@ weight format is one subclass here, its layer class and its kernel.
   in the model dtype.
 - `Int8Method` ("int8"): per-output-channel int8 weights, float activations.
 - `W8A8Method` ("w8a8"): int8 weights and int8 activations per block of 32, one arithmetic
-  for every call on Loom's CPU kernels (the bit-identical default mode).
+  for every call on Loom's CPU kernels (bit-identical across calls, as w4a8).
 - `W4A8Method` ("w4a8", the default for a quantised GGUF on the CPU kernels): a GGUF's
   K-quant and blocks-of-32 matrices computed from the file's own blocks (`loom.models.w4a8`),
   every other matrix as w8a8.
