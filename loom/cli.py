@@ -26,10 +26,10 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto")
     gen.add_argument("--device", default="auto")
     gen.add_argument("--quantization", default="auto", choices=["auto", "none", *QUANTIZATIONS],
-                     help="auto: w8a8 for a quantized GGUF on the CPU kernels, else none "
-                          "(exact dequantised float weights)")
+                     help="auto: w4a8 (the file's blocks) for a quantized GGUF on the CPU "
+                          "kernels, else none (exact dequantised float weights)")
     gen.add_argument("--kv-cache-dtype", default="auto",
-                     help="auto (float16 with auto-chosen w8a8, else the model dtype), "
+                     help="auto (float16 with auto-chosen w4a8, else the model dtype), "
                           "float16, bfloat16 or float32")
     gen.add_argument("--num-speculative-tokens", type=int, default=0,
                      help="draft this many tokens per step by n-gram prompt lookup (0: off)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -45,6 +46,23 @@ def random_blocks(rng: np.random.Generator, rows: int, cols: int, type_id: int) 
     return blocks.reshape(rows, -1)
 
 
+def llama_writer(path: Path, hidden: int, ffn: int, layers: int, heads: int, kv_heads: int,
+                 context: int) -> Any:
+    """A `gguf.GGUFWriter` at `path` with a Llama model's header fields (tensors to add)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    return writer
+
+
 def write_tiny_llama(path: Path, type_of: Callable[[str, int], int], seed: int = 0) -> Path:
     """A 2-layer Llama GGUF at `path`: `type_of(role, layer)` gives each matrix's GGUF type
     (roles q, k, v, o, gate, up, down; "embedding" with layer -1 for the tied embedding);
@@ -53,15 +71,7 @@ def write_tiny_llama(path: Path, type_of: Callable[[str, int], int], seed: int =
 
     rng = np.random.default_rng(seed)
     types = gguf.GGMLQuantizationType
-    writer = gguf.GGUFWriter(str(path), arch="llama")
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
+    writer = llama_writer(path, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, context=256)
 
     def matrix(name: str, rows: int, cols: int, type_id: int) -> None:
         if type_id == F16:
