@@ -47,18 +47,18 @@ pytestmark = pytest.mark.skipif(not cpu_kernels_available(),
                                 reason="the default mode's bit-exactness needs the CPU kernels")
 
 DEFAULT_MODE = dict(quantization="w8a8", dtype="float32", kv_cache_dtype="float16")
-
-
-def mode_of(folder) -> dict:
-    """The mode a model runs in here: the tiny float models get DEFAULT_MODE (what a
-    quantised GGUF would give them), a folder holding a GGUF the engine's defaults."""
-    return {} if any(Path(folder).glob("*.gguf")) else DEFAULT_MODE
 BLOCK_SIZE = 4
 GEN_TOKENS = 12
 TOP_LOGPROBS = 3
 MAX_PROMPT = 80
 EXAMPLES = int(os.environ.get("LOOM_INVARIANCE_EXAMPLES", "30"))
 KINDS = ("greedy", "seeded", "fork", "session", "interject")
+
+
+def mode_of(folder) -> dict:
+    """The mode a model runs in here: the tiny float models get DEFAULT_MODE (what a
+    quantised GGUF would give them), a folder holding a GGUF the engine's defaults."""
+    return {} if any(Path(folder).glob("*.gguf")) else DEFAULT_MODE
 
 
 @dataclass(frozen=True)
