@@ -20,8 +20,9 @@ from collections.abc import Callable
 import common as c
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
-from loom.kernels import GGUF_C_BLOCK_TYPES, W4A8_TYPE_NAMES, linear_w4a8, linear_w8, w4a8_pack
+from loom.kernels import GGUF_C_BLOCK_TYPES, linear_w4a8, linear_w8, w4a8_pack
 from loom.kernels.w8a8_layout import to_packed_layout
 
 # (n, k, types): Gemma 3 270M's q/k/v, gate/up and down; a 3B's q/o and gate/up; an 8B's
@@ -73,7 +74,7 @@ def main() -> None:
                 x, w8, scale, None, quantize_activations=True, layout="packed")}
         for t in types:
             segments = [(t, w4a8_pack(random_blocks(t, n, k, rng), t, n, k), n)]
-            calls[W4A8_TYPE_NAMES[t]] = lambda x=x, s=segments: linear_w4a8(x, s, None)
+            calls[GGMLQuantizationType(t).name] = lambda x=x, s=segments: linear_w4a8(x, s, None)
         best = best_of(calls, args.rounds)
         rows.append({"n": n, "k": k, "ms": {m: round(v * 1e3, 3) for m, v in best.items()},
                      "over_w8a8": {m: round(v / best["w8a8"], 3) for m, v in best.items()

@@ -972,14 +972,16 @@ static inline __m256i dot_u8s8(__m256i acc, __m256i w, __m256i xb) {
  * acc += the int32 products of 4 int8 activations (broadcast) and one loaded weight vector:
  * VNNI multiplies the unsigned weights w + 128 directly (the 128 * sum(x) this adds is taken
  * off once per block through xsum); AVX2 has no such instruction and no unsigned x signed
- * product that cannot saturate on w + 128, so it restores w, moves x's sign onto it and
- * multiplies |x| by it in int16 pairs (at most 2 * 127 * 127, exact). Same exact sums. */
+ * product that cannot saturate on w + 128, so it restores w and multiplies |w| (as unsigned:
+ * up to 128, since a GGUF Q8_0 block may hold -128, which no int8 negation gives) by x
+ * carrying w's sign (|x| <= 127, as quantize_row_q8 rounds) in int16 pairs (at most
+ * 2 * 128 * 127, exact). Same exact sums. */
 static inline __m256i dot4x8_i8(__m256i acc, __m256i wu, __m256i xb) {
 #if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
     return dot_u8s8(acc, wu, xb);
 #else
     const __m256i w = _mm256_xor_si256(wu, _mm256_set1_epi8((char)0x80));
-    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8(w, xb));
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xb, w));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
 }
@@ -1956,20 +1958,6 @@ static inline __m256i w4_i8x8(const uint8_t *p) {
 /* Software prefetch distance over a group's records (the DRAM stream of a decode step). */
 #define W4_PREFETCH_RECORDS 4
 
-/* acc + the exact products of Q8_0's stored values wu (int8 + 128) and 4 activations a lane.
- * VNNI multiplies wu itself (the block starts from -128 X); AVX2 restores the int8 w and
- * multiplies |w| (up to 128: a file may hold -128, which w8a8's dot4x8_i8 cannot negate) by
- * x carrying w's sign (|x| <= 127): pairs of at most 2 * 128 * 127, exact in int16. */
-static inline __m256i dot4x8_q8_0(__m256i acc, __m256i wu, __m256i xb) {
-#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
-    return dot_u8s8(acc, wu, xb);
-#else
-    const __m256i w = _mm256_xor_si256(wu, _mm256_set1_epi8((char)0x80));
-    const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xb, w));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-#endif
-}
-
 /* iacc[r][c] + the exact products of one block of 32 activations (at: its first k) of rows
  * r0 .. r0 + R with C groups' weights at q[c]: nibbles (Q4_K's lo area, Q4_0, Q4_1), 4 steps
  * of 8 k; or one byte a value (Q5_K, Q5_0, Q5_1; Q8_0's value + 128 with `q8`), 8 steps of
@@ -2001,7 +1989,7 @@ static inline __attribute__((always_inline)) void w4_block_dots(
         for (int r = 0; r < R; r++) {
             const __m256i x = w4_x4(a, r0 + r, k, at + 4 * t);
             for (int c = 0; c < C; c++)
-                iacc[r][c] = q8 ? dot4x8_q8_0(iacc[r][c], w[c], x) : dot_u8s8(iacc[r][c], w[c], x);
+                iacc[r][c] = q8 ? dot4x8_i8(iacc[r][c], w[c], x) : dot_u8s8(iacc[r][c], w[c], x);
         }
     }
 }
@@ -2188,7 +2176,7 @@ static inline __attribute__((always_inline)) void w4_tile(
  *
  * |J| <= 32 * 128 * 127 < 2^24, so its float is exact; the same order in every variant and
  * in the oracle. The offset enters as the block's starting sum; AVX2 without VNNI multiplies
- * Q8_0's signed values directly (dot4x8_q8_0) and so starts from 0. */
+ * Q8_0's signed values directly (dot4x8_i8, as w8a8) and so starts from 0. */
 
 /* Records of prefetch distance along a group's stream, about what the K-quants' run ahead. */
 #define W4_B32_PREFETCH_BYTES 4864

@@ -27,10 +27,10 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from loom.kernels import (
-    W4A8_TYPE_NAMES,
     W4A8_TYPES,
     linear_w4a8,
     use_cpu_kernels,
@@ -145,7 +145,7 @@ class W4A8Linear(nn.Module):
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        kinds = ", ".join(f"{W4A8_TYPE_NAMES.get(t, t)}x{c}"
+        kinds = ", ".join(f"{GGMLQuantizationType(t).name}x{c}"
                           for t, c in zip(self.types, self.columns, strict=True))
         return f"in_features={self.in_features}, segments=[{kinds}]"
 
