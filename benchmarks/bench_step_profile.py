@@ -66,6 +66,8 @@ def main() -> None:
     parser = c.base_parser(__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=512, help="tokens before decoding")
     parser.add_argument("--batch", type=int, default=1, help="sequences decoding together")
+    parser.add_argument("--mode", default="default",
+                        help="Loom variant (common.loom_mode_kwargs: default+cublas, ...)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (64; quick 8)")
     parser.add_argument("--profile-steps", type=int, default=None,
                         help="profiled steps (16; quick 4)")
@@ -75,7 +77,8 @@ def main() -> None:
     steps = args.steps or (8 if args.quick else 64)
     profiled = args.profile_steps or (4 if args.quick else 16)
     warmup = 8
-    engine = c.make_engine(args, max_num_seqs=max(args.batch, 1))
+    engine = c.make_engine(args, max_num_seqs=max(args.batch, 1),
+                           **c.loom_mode_kwargs(args.mode))
     params = SamplingParams(temperature=0.0, ignore_eos=True,
                             max_tokens=warmup + steps + profiled + 8)
     for i in range(args.batch):

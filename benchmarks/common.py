@@ -475,7 +475,8 @@ def loom_mode_kwargs(mode: str) -> dict[str, Any]:
     (exact float weights: quantization None) or a quantization ("int8", "w8a8"), optionally
     "+kv16" for a float16 KV cache, "+ngram" for speculative decoding with n-gram drafts and
     "+tokN" for steps of up to N tokens (max_num_batched_tokens; e.g. "w8a8+kv16+ngram",
-    "default+tok2048")."""
+    "default+tok2048") and "+cublas" for cuBLAS's GEMMs on CUDA instead of the
+    batch-invariant matmul (EngineArgs.batch_invariant=False)."""
     kwargs: dict[str, Any] = {}
     for part in mode.split("+"):
         if part == "kv16":
@@ -484,6 +485,8 @@ def loom_mode_kwargs(mode: str) -> dict[str, Any]:
             kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 4}
         elif part == "float":
             kwargs["quantization"] = None
+        elif part == "cublas":
+            kwargs["batch_invariant"] = False
         elif part == "default":
             kwargs["quantization"] = "auto"
         elif part.startswith("tok") and part[3:].isdigit():

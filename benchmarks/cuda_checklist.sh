@@ -10,13 +10,19 @@
 #   python benchmarks/random_model.py export --out shared/gemma3-270m-shape
 #   # there, from the repository root (Loom runs from the tree; a machine without the `gguf`
 #   # package needs its wheel installed first: pip install --target, then PYTHONPATH)
-#   benchmarks/cuda_checklist.sh OUT_DIR [STEP ...]    # steps: env tests profile latency
-#                                                      #        throughput sessions
+#   benchmarks/cuda_checklist.sh OUT_DIR [STEP ...]    # steps: env tests invariance profile
+#                                                      #        latency throughput sessions
+#
+# The default mode (batch-invariant GEMMs) and `+cublas` (cuBLAS's) are measured side by
+# side in invariance, profile, latency and throughput. LOOM_CHECKLIST_HF=1 adds the
+# transformers peers to latency and throughput (their compiles take minutes).
 set -u
 export PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 out=${1:?usage: cuda_checklist.sh OUT_DIR [STEP ...]}
 shift
-steps=${*:-env tests profile latency throughput sessions}
+steps=${*:-env tests invariance profile latency throughput sessions}
+peers=--no-hf
+[[ ${LOOM_CHECKLIST_HF:-0} == 1 ]] && peers="--hf-dtypes bfloat16"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 M=${LOOM_CHECKLIST_MODEL:-shared/gemma3-270m-shape}
@@ -51,22 +57,32 @@ transformers.__version__, torch.cuda.get_device_name())'
     tests)
       run tests_triton 150 "$PY" -m pytest -q -p no:cacheprovider --timeout=180 \
         tests/kernels/test_triton_attention.py tests/kernels/test_triton_compile.py \
-        tests/kernels/test_triton_elementwise.py \
+        tests/kernels/test_triton_elementwise.py tests/kernels/test_triton_matmul.py \
         tests/runner/test_decode_graphs.py
       run tests_cuda 150 "$PY" -m pytest -q -p no:cacheprovider --timeout=180 -m cuda \
         tests/engine/test_sessions.py tests/engine/test_hooks.py \
         tests/engine/test_speculative.py ;;
+    invariance)
+      run invariance 240 "$PY" benchmarks/bench_invariance.py --model "$M" --device cuda \
+        --modes default default+cublas --no-doc ;;
     profile)
-      run step_profile 90 "$PY" benchmarks/bench_step_profile.py --model "$M" \
-        --device cuda --context 512 --no-doc ;;
+      for mode in default default+cublas; do
+        tag=${mode#default}; tag=${tag/+/_}
+        run "step_profile$tag" 60 "$PY" benchmarks/bench_step_profile.py --model "$M" \
+          --device cuda --context 512 --mode "$mode" --no-doc
+        run "step_profile_b64$tag" 60 "$PY" benchmarks/bench_step_profile.py --model "$M" \
+          --device cuda --context 256 --batch 64 --mode "$mode" --no-doc
+      done ;;
     latency)
+      # shellcheck disable=SC2086
       run latency 240 "$PY" benchmarks/bench_latency.py --model "$M" --device cuda \
-        --loom-modes default+tok2048 --hf-dtypes bfloat16 --hf-static-cache --hf-prompt-lookup 0 \
-        --no-llama-cpp --no-doc ;;
+        --loom-modes default+tok2048 default+tok2048+cublas $peers --hf-static-cache \
+        --hf-prompt-lookup 0 --no-llama-cpp --no-doc ;;
     throughput)
+      # shellcheck disable=SC2086
       run throughput 200 "$PY" benchmarks/bench_throughput.py --model "$M" --device cuda \
-        --loom-modes default --num-prompts 64 --input-min 256 --input-max 256 \
-        --output-min 128 --output-max 128 --hf-dtypes bfloat16 --no-llama-cpp --no-doc ;;
+        --loom-modes default default+cublas --num-prompts 64 --input-min 256 \
+        --input-max 256 --output-min 128 --output-max 128 $peers --no-llama-cpp --no-doc ;;
     sessions)
       run sessions 150 "$PY" benchmarks/bench_sessions.py --model "$M" --device cuda \
         --contexts 1024 --no-llama-cpp --no-doc ;;

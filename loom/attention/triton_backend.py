@@ -33,15 +33,18 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     fused_cpu_decode = False  # on a CPU (the interpreter, in tests) these kernels must run
 
-    def __init__(self, num_parts: int | None = None,
-                 target_programs: int = _TARGET_PROGRAMS) -> None:
-        """`num_parts` fixes how many parts each context is split into (tests); None sizes it
-        per step so that about `target_programs` programs run."""
+    def __init__(self, split: bool | None = None, target_programs: int = _TARGET_PROGRAMS,
+                 part_keys: int | None = None) -> None:
+        """`split` forces one program per part of each context (True) or per work item
+        (False) instead of choosing per step so that about `target_programs` programs run;
+        `part_keys` (tests) cuts contexts into parts of that many keys instead of
+        `PART_KEYS`. Neither changes a bit of the result, only how it is launched."""
         from loom.kernels import triton_attention
 
         self._kernels = triton_attention
-        self.num_parts = num_parts
+        self.split = split
         self.target_programs = target_programs
+        self.part_keys = part_keys or triton_attention.PART_KEYS
 
     @staticmethod
     def plan_key(group: int, num_kv_heads: int) -> tuple[str, int, int]:
@@ -71,12 +74,12 @@ class TritonAttentionBackend(AttentionBackend):
         if plan is None:
             plan = self._kernels.make_plan(
                 metadata.query_lens_list, metadata.seq_lens_list, group, spec.num_kv_heads,
-                q.device, self.target_programs, self.num_parts,
+                q.device, self.target_programs, self.split, self.part_keys,
             )
             metadata.plan_cache[key] = plan
         out = self._kernels.paged_attention(
             q, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-            plan, spec.scale, spec.sliding_window, spec.logit_softcap,
+            metadata.positions, plan, spec.scale, spec.sliding_window, spec.logit_softcap,
         )
         return out.flatten(1)
 

@@ -68,6 +68,12 @@ class EngineArgs:
     # eagerly, as vLLM's flag does.
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
+    # On CUDA, the linear layers run Loom's Triton matmul, whose rows do not depend on the
+    # batch (loom.kernels.triton_matmul), so a token's logits are the same bits whatever is
+    # batched beside it and however its context reached the cache, as on the CPU kernels;
+    # False runs cuBLAS, whose choice of algorithm by shape moves the last bits. (Attention
+    # is batch invariant either way.) No effect on a CPU.
+    batch_invariant: bool = True
     # Split the model over this many devices (processes), Megatron-style, on
     # torch.distributed (NCCL on CUDA, gloo on a CPU); see loom.parallel. Under torchrun
     # the ranks come from its environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE).

@@ -20,7 +20,7 @@ from loom.engine.mode import (
     normalize_quantization,
 )
 from loom.errors import InvalidRequestError
-from loom.kernels import KERNEL_ARITHMETIC, cpu_kernels_available
+from loom.kernels import CUDA_INVARIANT_ARITHMETIC, KERNEL_ARITHMETIC, cpu_kernels_available
 from loom.kv_connector import KVCacheSpec, KVTransferConfig, model_identity
 from loom.kv_connector.factory import connector_class
 from loom.loader import weights_are_quantized
@@ -86,13 +86,20 @@ def resolve_mode(args: EngineArgs, model_path: Path, device: str) -> tuple[Execu
     return mode, mode.describe(host)
 
 
-def kv_arithmetic(device: str, attention_backend: str = "auto") -> str:
+def kv_arithmetic(device: str, attention_backend: str = "auto",
+                  batch_invariant: bool = True) -> str:
     """Which kernels compute K/V on `device` (`KVCacheSpec.arithmetic`): Loom's C kernels
     (`KERNEL_ARITHMETIC`, bumped whenever a kernel change can move a bit) on a CPU where
-    they load, else torch's ops ("torch-cpu", "torch-cuda"); followed by the attention
-    backend asked for, which decides how steps outside the fused decoder attend."""
+    they load, Loom's batch-invariant matmul on CUDA (`CUDA_INVARIANT_ARITHMETIC`), else
+    torch's ops ("torch-cpu", "torch-cuda"); followed by the attention backend asked for,
+    which decides how steps outside the fused decoder attend."""
     kind = torch.device(device).type
-    where = KERNEL_ARITHMETIC if kind == "cpu" and cpu_kernels_available() else f"torch-{kind}"
+    if kind == "cpu" and cpu_kernels_available():
+        where = KERNEL_ARITHMETIC
+    elif kind == "cuda" and batch_invariant:
+        where = CUDA_INVARIANT_ARITHMETIC
+    else:
+        where = f"torch-{kind}"
     return f"{where}/{attention_backend}"
 
 
@@ -168,6 +175,8 @@ def _build_model_parts(
         enable_prefix_caching=args.enable_prefix_caching,
         max_step_ms=args.max_step_ms or None,  # 0: off
     )
+    if torch.device(device).type == "cuda" and args.batch_invariant:
+        mode_summary += ", batch invariant"
     if tp > 1:
         mode_summary += f", tensor parallel {tp}"
     config = EngineConfig(
@@ -193,7 +202,7 @@ def _build_model_parts(
             block_size=args.block_size, num_layers=model_config.num_layers,
             num_kv_heads=rank_config.num_kv_heads, head_dim=model_config.head_dim,
             quantization=mode.quantization, large_batch_dtype=mode.large_batch_dtype,
-            arithmetic=kv_arithmetic(device, args.attention_backend),
+            arithmetic=kv_arithmetic(device, args.attention_backend, args.batch_invariant),
             tensor_parallel_size=tp,
         ),
         tensor_parallel_size=tp,
@@ -204,7 +213,8 @@ def _build_model_parts(
     spec = RunnerSpec(
         model_path=model_path, dtype=dtype, device=device, quantization=mode.quantization,
         large_batch_dtype=mode.large_batch_dtype, kv_cache_dtype=kv_dtype,
-        num_blocks=num_blocks, block_size=args.block_size, max_model_len=max_model_len,
+        batch_invariant=args.batch_invariant, num_blocks=num_blocks,
+        block_size=args.block_size, max_model_len=max_model_len,
         attention_backend=args.attention_backend,
         decode_graph_sizes=None if graph_sizes is None else tuple(graph_sizes),
         verify_tokens=None if speculative is None else speculative.num_speculative_tokens + 1,

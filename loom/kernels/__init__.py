@@ -38,6 +38,9 @@ from loom.kernels.cpu_ops import (
 # any result: K/V stored by engines of another arithmetic must never be loaded
 # (`KVCacheSpec.arithmetic`).
 KERNEL_ARITHMETIC = "loom-cpu-2"
+# The same for the CUDA default mode: the batch-invariant Triton matmul and attention
+# (loom.kernels.triton_matmul, triton_attention) with the fused elementwise kernels.
+CUDA_INVARIANT_ARITHMETIC = "loom-cuda-1"
 
 
 def elementwise_kernels(x: torch.Tensor, *params: torch.Tensor) -> ModuleType | None:
@@ -53,6 +56,7 @@ def elementwise_kernels(x: torch.Tensor, *params: torch.Tensor) -> ModuleType | 
 
 __all__ = [
     "GGUF_C_BLOCK_TYPES",
+    "CUDA_INVARIANT_ARITHMETIC",
     "KERNEL_ARITHMETIC",
     "KV_CACHE_KERNEL_DTYPES",
     "W4A8_MAX_SEGMENTS",

@@ -3,25 +3,41 @@
 One kernel serves prefill chunks, decodes and speculative verification alike. A program
 attends a tile of query rows -- up to `block_q` consecutive query tokens of one sequence,
 times the GROUP query heads that read one kv head, so each key and value row is loaded once
-for the whole group -- over one part of that sequence's keys, read in place from the paged
-cache through its block table (no gathered copy of the context):
+for the whole group -- over keys read in place from the paged cache through its block table
+(no gathered copy of the context):
 
-    grid = (work items, kv heads, parts)
+    grid = (work items, kv heads, programs per item)
     work item w = (sequence work_seq[w], its query tokens [work_qoff[w], + block_q))
-    part p      = the p-th of `parts` equal runs of whole BLOCK_N tiles of the keys the
-                  item's queries can see (sized per item, from its own sequence length)
 
-With one part the program normalises and writes the output itself. With several (decode,
-where one sequence's context is the only parallelism there is) each writes its unnormalised
-output, running max and sum of exponentials, and a second kernel merges the parts with the
-usual max/sum rescaling. Masks: a query at position t sees keys <= t, and with a sliding
-window only keys > t - window; scores are soft-capped (cap * tanh(s / cap)) when asked.
-Accumulation is in float32; float32 inputs multiply in IEEE float32 (no TF32), so the result
-matches the torch reference backend to float32 rounding.
+The keys are cut into parts at fixed positions, [p * part_keys, (p + 1) * part_keys), the
+same for every row of every step. A row's result is defined as the fold, in increasing p,
+of its parts' states (running max m, sum of exponentials l, unnormalised output acc), each
+part's state computed from fresh over its whole BLOCK_N tiles:
 
-The launch shapes depend only on (work items, parts), and each item sizes its parts from its
-own length on the device, which is what lets a CUDA graph capture a decode step: the runner
-pads the batch to its bucket and fixes the number of parts per bucket, whatever the lengths.
+    M, L, A = -inf, 0, 0
+    for p in the row's parts:  M, L, A = fold(M, L, A, state(p))
+    out = A / L
+
+Two launches compute that fold. With one program per item (`num_parts == 1`: prefill
+chunks, big batches) the program computes each part's state and folds it in as it goes.
+Split (decodes of few sequences, where one context is the only parallelism there is), the
+program of part p writes state(p), and `_merge_parts` folds each row's parts in the same
+order with the same operations. A part the row cannot see is an exact no-op of the fold,
+and the tile shape (`block_m` query rows, BLOCK_N keys, the head width) and warps are fixed
+per model, so a row's output is the same bits whichever way it was launched, however many
+rows share its tile and whatever else the step holds: the default mode's batch invariance
+on the GPU. Both kernels compile without floating-point contraction, so the fold rounds
+where it is written.
+
+Masks: a query at position t sees keys <= t, and with a sliding window only keys
+> t - window; scores are soft-capped (cap * tanh(s / cap)) when asked. Accumulation is in
+float32; float32 inputs multiply in IEEE float32 (no TF32), so the result matches the torch
+reference backend to float32 rounding.
+
+The launch shapes depend only on (work items, programs per item), and each item finds its
+parts from its own length on the device, which is what lets a CUDA graph capture a decode
+step: the runner pads the batch to its bucket and launches the parts of the longest
+context the graph serves; parts past an item's keys store nothing.
 """
 
 from __future__ import annotations
@@ -38,14 +54,35 @@ BLOCK_N = 32
 PREFILL_ROWS = 64
 # Smallest tile side tl.dot accepts on the GPU.
 MIN_DOT = 16
-# Most parts a context is split into.
-MAX_PARTS = 32
+# Keys per part (whole BLOCK_N tiles): the fixed cut every row's fold follows.
+PART_KEYS = 256
 
 
 @triton.jit
 def exp_tanh(x):
     # tanh from exp (no libdevice in the interpreter): saturates to +-1 as exp overflows.
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+# Triton compiles a kernel again for every new combination of its integer arguments' value
+# classes (== 1, divisible by 16) and its pointers' alignment (to 16 bytes); these change
+# from step to step (the token count, the widest block table; where a step's packed metadata
+# puts its fields, and with it whether work_qoff or seq_lens starts on 16 bytes), so they are
+# not specialised: one compile per tile shape, not per step. (On an H100 a mixed step whose
+# item count was odd compiled a second variant: 1.5 s in the middle of a run.) The metadata
+# pointers are read one element at a time, so alignment would gain nothing there.
+@triton.jit
+def _fold(big_m, big_l, big_a, m, lsum, acc):
+    """Fold one part's state (m, lsum, acc) into the running (big_m, big_l, big_a) of the
+    same rows; a part whose max is -inf (no visible key) leaves them as they are."""
+    top = tl.maximum(big_m, m)
+    # Rows that have seen no key yet keep max -inf; shift by 0 so exp gives 0, not nan.
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    old = tl.exp(big_m - shift)
+    new = tl.exp(m - shift)
+    big_l = big_l * old + lsum * new
+    big_a = big_a * old[:, None] + acc * new[:, None]
+    return top, big_l, big_a
 
 
 # Triton compiles a kernel again for every new combination of its integer arguments' value
@@ -64,12 +101,12 @@ def _attend_part(
     scale, softcap, window, num_rows, max_blocks,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-    SINGLE_PART: tl.constexpr, PRECISION: tl.constexpr, PADDED: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr, SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr, SINGLE_PART: tl.constexpr, PRECISION: tl.constexpr,
+    PADDED: tl.constexpr,
 ):
     w = tl.program_id(0)
     kvh = tl.program_id(1)
-    part = tl.program_id(2)
     seq = tl.load(work_seq_ptr + w)
     qoff = tl.load(work_qoff_ptr + w)
     t0 = tl.load(q_start_ptr + seq)
@@ -93,78 +130,98 @@ def _attend_part(
     q = tl.load(q_ptr + flat_row[:, None] * HEAD_DIM + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    # Keys any row of the tile can see: [lo, last_pos], split into equal parts of whole
-    # BLOCK_N tiles; this program takes part `part`: [k_lo, k_hi).
+    # Keys any row of the tile can see: [lo, last_pos]; its parts [p_lo, p_hi).
     last_pos = first_pos + tl.minimum(qoff + BLOCK_Q, n_real) - 1
     lo = first_pos * 0
     if WINDOW:
         lo = tl.maximum(lo, first_pos + qoff - window + 1)
-    per_part = tl.cdiv(tl.cdiv(last_pos + 1 - lo, tl.num_programs(2)), BLOCK_N) * BLOCK_N
-    k_lo = lo + part * per_part
-    k_hi = tl.minimum(last_pos + 1, k_lo + per_part)
+    p_lo = lo // PART
+    p_hi = last_pos // PART + 1
+    if not SINGLE_PART:  # this program computes part program_id(2) alone
+        p_lo = tl.maximum(p_lo, tl.program_id(2))
+        p_hi = tl.minimum(p_hi, tl.program_id(2) + 1)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     cols = tl.arange(0, BLOCK_N)
-    for start in range(k_lo // BLOCK_N * BLOCK_N, k_hi, BLOCK_N):
-        kpos = start + cols
-        k_ok = (kpos >= k_lo) & (kpos < k_hi)
-        block = tl.load(tables_ptr + seq * max_blocks + kpos // PAGE, mask=k_ok, other=0)
-        kv_row = ((block * PAGE + kpos % PAGE) * NUM_KV_HEADS + kvh) * HEAD_DIM
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + kv_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
-        if SOFTCAP:
-            s = softcap * exp_tanh(s / softcap)
-        see = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
-        if WINDOW:
-            see = see & (kpos[None, :] > pos[:, None] - window)
-        s = tl.where(see, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no key yet keeps max -inf; shift by 0 so exp gives 0, not nan.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_shift)
-        p = tl.exp(s - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                            input_precision=PRECISION)
-        m_i = m_new
+    big_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    big_l = tl.zeros([BLOCK_M], tl.float32)
+    big_a = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for p in range(p_lo, p_hi):
+        k_lo = tl.maximum(lo, p * PART)
+        k_hi = tl.minimum(last_pos + 1, (p + 1) * PART)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for start in range(k_lo // BLOCK_N * BLOCK_N, k_hi, BLOCK_N):
+            kpos = start + cols
+            k_ok = (kpos >= k_lo) & (kpos < k_hi)
+            block = tl.load(tables_ptr + seq * max_blocks + kpos // PAGE, mask=k_ok, other=0)
+            kv_row = ((block * PAGE + kpos % PAGE) * NUM_KV_HEADS + kvh) * HEAD_DIM
+            kv_mask = k_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + kv_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
+            if SOFTCAP:
+                s = softcap * exp_tanh(s / softcap)
+            see = k_ok[None, :] & (kpos[None, :] <= pos[:, None])
+            if WINDOW:
+                see = see & (kpos[None, :] > pos[:, None] - window)
+            s = tl.where(see, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row that has seen no key yet keeps max -inf; shift by 0 so exp gives 0.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_shift)
+            prob = tl.exp(s - m_shift[:, None])
+            l_i = l_i * alpha + tl.sum(prob, 1)
+            v = tl.load(v_ptr + kv_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(prob.to(q.dtype), v.to(q.dtype),
+                                                input_precision=PRECISION)
+            m_i = m_new
+        if SINGLE_PART:
+            big_m, big_l, big_a = _fold(big_m, big_l, big_a, m_i, l_i, acc)
+        else:
+            big_m, big_l, big_a = m_i, l_i, acc
 
     out_mask = row_ok[:, None] & d_ok[None, :]
     if SINGLE_PART:
-        # Every valid row sees at least its own position, so l_i > 0.
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        # Every valid row sees at least its own position, so big_l > 0.
+        out = big_a / tl.where(big_l > 0, big_l, 1.0)[:, None]
         tl.store(out_ptr + flat_row[:, None] * HEAD_DIM + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        part_row = part * num_rows + flat_row
-        tl.store(acc_ptr + part_row[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
-        tl.store(m_ptr + part_row, m_i, mask=row_ok)
-        tl.store(l_ptr + part_row, l_i, mask=row_ok)
+    elif p_lo < p_hi:  # a part past (or before) every row's keys stores nothing
+        part_row = tl.program_id(2) * num_rows + flat_row
+        tl.store(acc_ptr + part_row[:, None] * HEAD_DIM + d[None, :], big_a, mask=out_mask)
+        tl.store(m_ptr + part_row, big_m, mask=row_ok)
+        tl.store(l_ptr + part_row, big_l, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_parts"])
+@triton.jit(do_not_specialize=["num_rows", "window"],
+            do_not_specialize_on_alignment=["positions_ptr"])
 def _merge_parts(
-    acc_ptr, m_ptr, l_ptr, out_ptr, num_rows, num_parts,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    acc_ptr, m_ptr, l_ptr, out_ptr, positions_ptr, num_rows, num_parts, window,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PART: tl.constexpr, WINDOW: tl.constexpr,
 ):
+    # One program per row of [T * H, D]: fold the parts its position can see, in order
+    # (the same fold a single program makes; see the module docstring).
     r = tl.program_id(0)
-    p = tl.arange(0, BLOCK_P)
-    p_ok = p < num_parts
-    m = tl.load(m_ptr + p * num_rows + r, mask=p_ok, other=float("-inf"))
-    lsum = tl.load(l_ptr + p * num_rows + r, mask=p_ok, other=0.0)
-    top = tl.max(m, 0)
-    # Parts that saw no key (max -inf) weigh 0; the query's own key is in some part.
-    weight = tl.where(m == float("-inf"), 0.0, tl.exp(m - top))
-    total = tl.sum(weight * lsum, 0)
+    pos = tl.load(positions_ptr + r // NUM_HEADS)
+    lo = pos * 0
+    if WINDOW:
+        lo = tl.maximum(lo, pos - window + 1)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    acc = tl.load(acc_ptr + (p[:, None] * num_rows + r) * HEAD_DIM + d[None, :],
-                  mask=p_ok[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(weight[:, None] * acc, 0) / total
-    tl.store(out_ptr + r * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    big_m = tl.full([1], float("-inf"), tl.float32)
+    big_l = tl.zeros([1], tl.float32)
+    big_a = tl.zeros([1, BLOCK_D], tl.float32)
+    # Padding rows of a graph step may hold any position: stay inside the parts written.
+    for p in range(tl.maximum(lo // PART, 0), tl.minimum(pos // PART + 1, num_parts)):
+        at = p * num_rows + r
+        m = tl.load(m_ptr + at + tl.zeros([1], tl.int32))
+        lsum = tl.load(l_ptr + at + tl.zeros([1], tl.int32))
+        acc = tl.load(acc_ptr + at * HEAD_DIM + d[None, :], mask=d_ok[None, :], other=0.0)
+        big_m, big_l, big_a = _fold(big_m, big_l, big_a, m, lsum, acc)
+    out = big_a / tl.where(big_l > 0, big_l, 1.0)[:, None]
+    tl.store(out_ptr + r * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=d_ok[None, :])
 
 
 @dataclass(frozen=True)
@@ -172,16 +229,18 @@ class AttentionPlan:
     """How one step's queries are tiled: shared by every layer of the step.
 
     work_seq / work_qoff: [W] int32 on the device, the sequence and first query token of each
-    work item; block_q: query tokens per item; num_parts: how many parts each item's keys are
-    split into (each item sizes its parts from its own length); real_lens: [S] int64, where
-    chunks are padded (CUDA graph steps), how many of each chunk's tokens are real (0 for a
-    padding sequence), else None."""
+    work item; block_q: query tokens per item; num_parts: 1, one program per item folds all
+    its parts, else one program per part of `part_keys` keys, parts [0, num_parts) (enough
+    for the longest context; those past an item's keys store nothing); real_lens: [S] int64,
+    where chunks are padded (CUDA graph steps), how many of each chunk's tokens are real (0
+    for a padding sequence), else None."""
 
     work_seq: torch.Tensor
     work_qoff: torch.Tensor
     block_q: int
     num_parts: int
     real_lens: torch.Tensor | None = None
+    part_keys: int = PART_KEYS
 
 
 def _next_pow2(n: int) -> int:
@@ -195,19 +254,28 @@ def block_q_for(max_query_len: int, group: int) -> int:
     return min(_next_pow2(max_query_len), max(1, PREFILL_ROWS // _next_pow2(group)))
 
 
-def parts_for(num_items: int, num_kv_heads: int, max_keys: int, target_programs: int) -> int:
-    """How many parts to split each item's keys into so that about `target_programs`
-    programs run: at most one per BLOCK_N tile of the longest item and at most MAX_PARTS
-    (the merge reads every part of a row); 1 when the items alone fill the GPU."""
-    tiles = max(1, -(-max_keys // BLOCK_N))
-    wanted = -(-target_programs // max(1, num_items * num_kv_heads))
-    return max(1, min(tiles, wanted, MAX_PARTS))
+def tile_rows(group: int) -> int:
+    """Query rows of every tile of a model with `group` query heads per kv head: fixed, so
+    that a decode's row and a prefill's row go through the same tensor-core shapes and
+    reductions (a row's bits must not depend on how many rows its tile holds)."""
+    return max(MIN_DOT, PREFILL_ROWS, _next_pow2(group))
+
+
+def parts_for(num_items: int, num_kv_heads: int, max_keys: int, target_programs: int,
+              part_keys: int = PART_KEYS) -> int:
+    """1 (one program per item) when the items alone give about `target_programs`
+    programs or no context is longer than a part; else the parts of the longest context
+    (one program each)."""
+    if num_items * num_kv_heads >= target_programs or max_keys <= part_keys:
+        return 1
+    return -(-max_keys // part_keys)
 
 
 def make_plan(query_lens: list[int], seq_lens: list[int], group: int, num_kv_heads: int,
-              device: torch.device, target_programs: int,
-              num_parts: int | None = None) -> AttentionPlan:
-    """The tiling of a step from its host-side lengths (`num_parts` forces the key split)."""
+              device: torch.device, target_programs: int, split: bool | None = None,
+              part_keys: int = PART_KEYS) -> AttentionPlan:
+    """The tiling of a step from its host-side lengths (`split` forces one program per
+    part, or per item, instead of choosing by `parts_for`)."""
     block_q = block_q_for(max(query_lens, default=1), group)
     seqs: list[int] = []
     offs: list[int] = []
@@ -215,11 +283,13 @@ def make_plan(query_lens: list[int], seq_lens: list[int], group: int, num_kv_hea
         for off in range(0, n, block_q):
             seqs.append(b)
             offs.append(off)
-    if num_parts is None:
-        num_parts = parts_for(len(seqs), num_kv_heads, max(seq_lens, default=1),
-                              target_programs)
+    max_keys = max(seq_lens, default=1)
+    if split is None:
+        num_parts = parts_for(len(seqs), num_kv_heads, max_keys, target_programs, part_keys)
+    else:
+        num_parts = max(2, -(-max_keys // part_keys)) if split else 1
     packed = torch.tensor([seqs, offs], dtype=torch.int32).to(device, non_blocking=True)
-    return AttentionPlan(packed[0], packed[1], block_q, num_parts)
+    return AttentionPlan(packed[0], packed[1], block_q, num_parts, part_keys=part_keys)
 
 
 def paged_attention(
@@ -228,6 +298,7 @@ def paged_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     query_start: torch.Tensor,
+    positions: torch.Tensor,
     plan: AttentionPlan,
     scale: float,
     window: int | None,
@@ -236,14 +307,17 @@ def paged_attention(
     """Attention of q [T, H, D] over a [2, blocks, page, Hkv, D] paged cache -> [T, H, D].
 
     block_tables [S, max_blocks], seq_lens [S] and query_start [S + 1] (int32 or int64) lay out
-    the sequences as in AttentionMetadata; their K/V for this step are already in the cache.
+    the sequences as in AttentionMetadata, positions [T] each query token's position; their
+    K/V for this step are already in the cache.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, page, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
+    if plan.part_keys % BLOCK_N:
+        raise ValueError(f"part_keys {plan.part_keys} is not a multiple of {BLOCK_N}")
     q = q.contiguous()
     out = torch.empty_like(q)
-    block_m = max(MIN_DOT, _next_pow2(plan.block_q * group))
+    block_m = tile_rows(group)
     block_d = max(MIN_DOT, _next_pow2(head_dim))
     num_rows = num_tokens * num_heads
     single = plan.num_parts == 1
@@ -263,17 +337,17 @@ def paged_attention(
         scale, softcap or 1.0, window or 0, num_rows, block_tables.shape[1],
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, GROUP=group,
         BLOCK_Q=plan.block_q, BLOCK_M=block_m, BLOCK_D=block_d, PAGE=page, BLOCK_N=BLOCK_N,
-        SOFTCAP=bool(softcap), WINDOW=bool(window), SINGLE_PART=single,
+        PART=plan.part_keys, SOFTCAP=bool(softcap), WINDOW=bool(window), SINGLE_PART=single,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PADDED=plan.real_lens is not None,
         # Big tiles (prefill rows x a 256-wide head) over more warps: fewer registers each.
         num_warps=8 if block_m * block_d >= 64 * 128 else 4,
+        enable_fp_fusion=False,
     )
     if not single:
         _merge_parts[(num_rows,)](
-            acc, m, lsum, out, num_rows, plan.num_parts,
-            # One width for every split (masked past num_parts): one compile, not one per
-            # power of two the steps' splits reach.
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_P=_next_pow2(MAX_PARTS),
+            acc, m, lsum, out, positions, num_rows, plan.num_parts, window or 0,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, PART=plan.part_keys,
+            WINDOW=bool(window), enable_fp_fusion=False,
         )
     return out

@@ -35,6 +35,9 @@ class Linear(nn.Linear):
     # Float32 calls of at least LARGE_BATCH_ROWS rows multiply in this dtype, with a copy of
     # the weight kept in it (`set_large_batch_dtype`); None: in the weight's dtype.
     large_batch_dtype: torch.dtype | None = None
+    # CUDA calls run Loom's Triton matmul, whose rows do not depend on the batch
+    # (`loom.kernels.triton_matmul`), instead of cuBLAS (`set_batch_invariant`).
+    batch_invariant: bool = False
 
     def set_large_batch_dtype(self, dtype: torch.dtype | None) -> None:
         """Multiply large float32 batches in `dtype` (bfloat16 on hosts whose bf16 matmul is
@@ -54,12 +57,27 @@ class Linear(nn.Linear):
         ):
             y = linear_f32(x.reshape(rows, self.in_features).contiguous(), self.weight, self.bias)
             return y.view(*x.shape[:-1], self.out_features)
+        if self.batch_invariant and x.is_cuda and not torch.is_grad_enabled():
+            from loom.kernels.triton_matmul import invariant_linear
+
+            return invariant_linear(x, self.weight, self.bias)
         if (self.large_batch_dtype is not None and rows >= LARGE_BATCH_ROWS
                 and x.dtype == torch.float32):
             low = self.large_batch_dtype
             y = F.linear(x.to(low), self.weight_large_batch).to(x.dtype)
             return y if self.bias is None else y + self.bias
         return super().forward(x)
+
+
+def set_batch_invariant(model: nn.Module, on: bool = True) -> int:
+    """Run every float `Linear` of `model` on the batch-invariant matmul when on CUDA (the
+    CUDA default mode); returns how many layers were set."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.batch_invariant = on
+            count += 1
+    return count
 
 
 class RMSNorm(nn.Module):

@@ -159,15 +159,19 @@ class DecodeGraphRunner:
             query_lens_list=[self.tokens_per_seq] * size,
             seq_lens_list=[self._max_model_len] * size,
         )
-        # Parts sized for the longest context: each sequence splits its own keys into
-        # that many, so a short one is split as finely as a long one.
-        parts = self.backend.num_parts or parts_for(
-            size, self._num_kv_heads, self._max_model_len, self.backend.target_programs)
+        # Parts of the longest context a graph serves: each sequence's programs past its
+        # own keys store nothing (the cut is fixed, so a row's bits do not depend on it).
+        split = self.backend.split
+        if split is None:
+            parts = parts_for(size, self._num_kv_heads, self._max_model_len,
+                              self.backend.target_programs, self.backend.part_keys)
+        else:
+            parts = max(2, -(-self._max_model_len // self.backend.part_keys)) if split else 1
         plan = AttentionPlan(  # one work item per sequence, covering its token slots
             work_seq=torch.arange(size, dtype=torch.int32, device=self.device),
             work_qoff=torch.zeros(size, dtype=torch.int32, device=self.device),
             block_q=block_q_for(self.tokens_per_seq, self._group), num_parts=parts,
-            real_lens=self._real_lens[:size],
+            real_lens=self._real_lens[:size], part_keys=self.backend.part_keys,
         )
         assert plan.block_q >= self.tokens_per_seq
         md.plan_cache[self.backend.plan_key(self._group, self._num_kv_heads)] = plan

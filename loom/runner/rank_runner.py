@@ -18,6 +18,7 @@ import torch
 from loom.kv_connector import KVConnectorRole, create_connector
 from loom.loader import load_model_files
 from loom.models.config import ModelConfig
+from loom.models.layers import set_batch_invariant
 from loom.models.quant import set_large_batch_dtype
 from loom.models.tensor_parallel import attach_collectives, local_model_config
 from loom.models.weight_shard import Shard
@@ -55,6 +56,8 @@ class RunnerSpec:
     kv_transfer: Any = None  # loom.kv_connector.KVTransferConfig
     kv_cache_spec: Any = None  # loom.kv_connector.KVCacheSpec, rank 0's
     tensor_parallel_size: int = 1
+    # CUDA: float linear layers on the batch-invariant matmul (EngineArgs.batch_invariant).
+    batch_invariant: bool = False
 
 
 def read_model_config(path: Path) -> ModelConfig:
@@ -82,6 +85,8 @@ def build_runner(spec: RunnerSpec, rank: int = 0, local_rank: int = 0,
                                       spec.quantization, shard=shard)
     if spec.large_batch_dtype is not None:
         set_large_batch_dtype(model, torch_dtype(spec.large_batch_dtype))
+    if spec.batch_invariant and device.type == "cuda":
+        set_batch_invariant(model)
     if group is not None:
         attach_collectives(model, group)
     local_config = local_model_config(model_config, world)

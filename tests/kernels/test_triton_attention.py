@@ -61,15 +61,17 @@ CASES = [
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("num_parts", [None, 1, 3])
+@pytest.mark.parametrize("split", [None, False, True])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_triton_attention_matches_torch_reference(case, num_parts, device):
+def test_triton_attention_matches_torch_reference(case, split, device):
     _, heads, kv_heads, dim, window, softcap, chunks = case
     spec = AttentionSpec(heads, kv_heads, dim, dim ** -0.5, window, softcap)
     q, k, v, cache, md = _step(len(chunks) + heads, spec, chunks, 16, torch.float32,
                                torch.float32, device)
     want, want_cache = _run(TorchAttentionBackend(), spec, q, k, v, cache, md)
-    got, got_cache = _run(TritonAttentionBackend(num_parts), spec, q, k, v, cache, md)
+    # Parts of 32 keys: these contexts (up to 70 keys) cross part boundaries.
+    got, got_cache = _run(TritonAttentionBackend(split, part_keys=32), spec, q, k, v, cache,
+                          md)
     assert torch.equal(got_cache, want_cache)  # the same slots written
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
@@ -80,21 +82,65 @@ def test_triton_attention_reads_float16_cache(device):
     q, k, v, cache, md = _step(3, spec, [(0, 18), (40, 1)], 16, torch.float32, torch.float16,
                                device)
     want, _ = _run(TorchAttentionBackend(), spec, q, k, v, cache, md)
-    got, _ = _run(TritonAttentionBackend(2), spec, q, k, v, cache, md)
+    got, _ = _run(TritonAttentionBackend(True, part_keys=32), spec, q, k, v, cache, md)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
 def test_parts_fill_the_gpu_within_bounds():
-    from loom.kernels.triton_attention import BLOCK_N, MAX_PARTS, block_q_for, parts_for
+    from loom.kernels.triton_attention import PART_KEYS, block_q_for, parts_for, tile_rows
 
-    assert parts_for(1, 1, 512, 512) == 512 // BLOCK_N  # one part per tile of keys at most
-    assert parts_for(1, 1, 32768, 512) == MAX_PARTS
-    assert parts_for(64, 1, 4096, 512) == 8  # 64 items x 8 parts = 512 programs
+    assert parts_for(1, 1, 512, 512) == 512 // PART_KEYS  # one program per part of keys
+    assert parts_for(1, 1, 32768, 512) == 32768 // PART_KEYS
+    assert parts_for(64, 1, 4096, 512) == 4096 // PART_KEYS
     assert parts_for(600, 2, 4096, 512) == 1  # the items alone fill it
+    assert parts_for(1, 1, PART_KEYS, 512) == 1  # one part: nothing to split
     assert parts_for(1, 1, 0, 512) == 1
     assert block_q_for(1, 4) == 1  # decodes: one token per item
     assert block_q_for(300, 4) == 16  # prefill: 16 tokens x 4 heads = 64 rows
     assert block_q_for(3, 1) == 4  # verification chunks: the chunk rounded up
+    assert tile_rows(1) == tile_rows(4) == 64 and tile_rows(128) == 128  # fixed per model
+
+
+# (name, heads, kv heads, window, softcap)
+INVARIANCE_CASES = [("gqa", 4, 1, None, None), ("window and softcap", 2, 1, 24, 5.0)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", INVARIANCE_CASES, ids=[c[0] for c in INVARIANCE_CASES])
+def test_a_rows_output_does_not_depend_on_its_launch(case, device):
+    """The same query row over the same keys gives the same bits computed in a prefill
+    chunk, as a decode alone, beside other sequences, with one program per item or one per
+    part: the fold over fixed parts (the module docstring of triton_attention)."""
+    from loom.kernels import triton_attention as ta
+
+    _, heads, kv_heads, window, softcap = case
+    dim, page, length, part = 32, 16, 70, 32
+    gen = torch.Generator().manual_seed(7)
+    cache = torch.randn(2, 12, page, kv_heads, dim, generator=gen).to(device)
+    table = [5, 2, 9, 0, 7]  # the sequence's blocks (80 slots for its 70 keys)
+    q_all = torch.randn(length, heads, dim, generator=gen).to(device)
+    other_q = torch.randn(30, heads, dim, generator=gen).to(device)
+
+    def attend(chunks, tables, q, split):
+        md = AttentionMetadata.build([s for s, _ in chunks], [n for _, n in chunks], tables,
+                                     page, device=device)
+        plan = ta.make_plan(md.query_lens_list, md.seq_lens_list, heads // kv_heads,
+                            kv_heads, torch.device(device), 512, split, part)
+        return ta.paged_attention(q, cache, md.block_tables, md.seq_lens, md.query_start_loc,
+                                  md.positions, plan, dim ** -0.5, window, softcap)
+
+    want = attend([(0, length)], [table], q_all, False)[length - 1]  # last row of a prefill
+    others = [(40, 1), (3, 20), (60, 1)]
+    other_tables = [[1, 3, 4, 6], [8, 10], [11, 4, 6, 1]]
+    for split in (False, True):
+        alone = attend([(length - 1, 1)], [table], q_all[-1:], split)[0]
+        assert torch.equal(alone, want), f"decode alone, split={split}"
+        q = torch.cat([other_q[:1], q_all[-1:], other_q[1:23]])
+        beside = attend([others[0], (length - 1, 1), *others[1:]],
+                        [other_tables[0], table, *other_tables[1:]], q, split)[1]
+        assert torch.equal(beside, want), f"decode beside others, split={split}"
+        chunk = attend([(length - 8, 8)], [table], q_all[-8:], split)[-1]
+        assert torch.equal(chunk, want), f"in a chunk of 8, split={split}"
 
 
 def test_start_up_check_passes_and_catches_broken_kernels(monkeypatch):

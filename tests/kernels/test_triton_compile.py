@@ -5,8 +5,9 @@ that would not build on an H100 (a type error, a tile tl.dot rejects, too much s
 memory) fails here, on a CPU-only machine, not first on a user's GPU. The launch
 configurations `paged_attention` makes for the default model's shapes (decode tiles split
 into parts, with windows and graph padding; prefill tiles in one part, with soft-capping;
-float32, float32 over a float16 cache, bfloat16), the merge kernel and the fused
-norm / rotary / activation kernels (loom.kernels.triton_elementwise) are compiled for sm_90.
+float32, float32 over a float16 cache, bfloat16), the merge kernel, the batch-invariant
+matmul (loom.kernels.triton_matmul) and the fused norm / rotary / activation kernels
+(loom.kernels.triton_elementwise) are compiled for sm_90.
 
 The compiles run in a child process without TRITON_INTERPRET: the suite runs Triton's
 interpreter on a CPU (conftest), and under it Triton's own helpers (tl.cdiv, tl.sum, ...)
@@ -27,6 +28,8 @@ pytest.importorskip("triton")
 KERNEL_CONFIGS = [("fp32", "fp32", 1), ("fp32", "fp32", 16), ("fp32", "fp16", 1),
                   ("bf16", "bf16", 1), ("bf16", "bf16", 16)]
 MERGE_DTYPES = ["fp32", "bf16"]
+# (dtype, output columns per tile): the widths block_n_for gives.
+MATMUL_CONFIGS = [("bf16", 32), ("bf16", 64), ("bf16", 128), ("fp32", 64), ("fp16", 128)]
 ELEMENTWISE_DTYPES = ["fp32", "bf16"]
 
 _CHILD = r'''
@@ -37,17 +40,18 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from loom.kernels import triton_attention as ta
 from loom.kernels import triton_elementwise as te
+from loom.kernels import triton_matmul as tm
 
 H100, HEAD_DIM, GROUP = GPUTarget("cuda", 90, 32), 256, 4
 
 
-def compile_for_h100(fn, signature, constants, warps):
+def compile_for_h100(fn, signature, constants, warps, **options):
     full = {**signature, **dict.fromkeys(constants, "constexpr")}
     names = list(full)
     source = ASTSource(fn=fn, signature=full,
                        constexprs={(names.index(k),): v for k, v in constants.items()})
     try:
-        kernel = triton.compile(source, target=H100, options={"num_warps": warps})
+        kernel = triton.compile(source, target=H100, options={"num_warps": warps, **options})
     except Exception as error:
         return f"{type(error).__name__}: {error}"[:2000]
     return "ok" if kernel.asm.get("cubin") else "no cubin"
@@ -55,7 +59,7 @@ def compile_for_h100(fn, signature, constants, warps):
 
 results = {}
 for q_dtype, kv_dtype, block_q in json.loads(sys.argv[1]):
-    block_m = max(ta.MIN_DOT, block_q * GROUP)
+    block_m = ta.tile_rows(GROUP)
     prefill = block_q > 1
     assert block_q == ta.block_q_for(512 if prefill else 1, GROUP)  # what launches use
     signature = {
@@ -68,18 +72,29 @@ for q_dtype, kv_dtype, block_q in json.loads(sys.argv[1]):
     }
     constants = dict(
         NUM_HEADS=4, NUM_KV_HEADS=1, HEAD_DIM=HEAD_DIM, GROUP=GROUP, BLOCK_Q=block_q,
-        BLOCK_M=block_m, BLOCK_D=HEAD_DIM, PAGE=16, BLOCK_N=ta.BLOCK_N, SOFTCAP=prefill,
-        WINDOW=not prefill, SINGLE_PART=prefill,
+        BLOCK_M=block_m, BLOCK_D=HEAD_DIM, PAGE=16, BLOCK_N=ta.BLOCK_N, PART=ta.PART_KEYS,
+        SOFTCAP=prefill, WINDOW=not prefill, SINGLE_PART=prefill,
         PRECISION="ieee" if q_dtype == "fp32" else "tf32", PADDED=not prefill,
     )
     warps = 8 if block_m * HEAD_DIM >= 64 * 128 else 4
     results[f"attend {q_dtype} {kv_dtype} {block_q}"] = compile_for_h100(
-        ta._attend_part, signature, constants, warps)
+        ta._attend_part, signature, constants, warps, enable_fp_fusion=False)
 for out_dtype in json.loads(sys.argv[2]):
     signature = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
-                 "out_ptr": f"*{out_dtype}", "num_rows": "i32", "num_parts": "i32"}
-    constants = dict(HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM, BLOCK_P=ta.MAX_PARTS)
-    results[f"merge {out_dtype}"] = compile_for_h100(ta._merge_parts, signature, constants, 4)
+                 "out_ptr": f"*{out_dtype}", "positions_ptr": "*i64", "num_rows": "i32",
+                 "num_parts": "i32", "window": "i32"}
+    constants = dict(NUM_HEADS=4, HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM, PART=ta.PART_KEYS,
+                     WINDOW=True)
+    results[f"merge {out_dtype}"] = compile_for_h100(ta._merge_parts, signature, constants, 4,
+                                                     enable_fp_fusion=False)
+for dt, block_n in json.loads(sys.argv[4]):
+    signature = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}",
+                 "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
+                 "stride_ym": "i32"}
+    constants = dict(HAS_BIAS=block_n == 64, BLOCK_M=tm._BLOCK_M, BLOCK_N=block_n,
+                     BLOCK_K=tm._BLOCK_K, PRECISION="ieee" if dt == "fp32" else "tf32")
+    results[f"matmul {dt} {block_n}"] = compile_for_h100(tm._matmul, signature, constants, 4,
+                                                         num_stages=3)
 results["attend alignment-free"] = sorted(
     p.name for p in ta._attend_part.params if p.do_not_specialize_on_alignment)
 for dt in json.loads(sys.argv[3]):
@@ -113,7 +128,7 @@ def compiled() -> dict[str, str]:
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     done = subprocess.run(
         [sys.executable, "-c", _CHILD, json.dumps(KERNEL_CONFIGS), json.dumps(MERGE_DTYPES),
-         json.dumps(ELEMENTWISE_DTYPES)],
+         json.dumps(ELEMENTWISE_DTYPES), json.dumps(MATMUL_CONFIGS)],
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -128,6 +143,11 @@ def test_attention_kernel_compiles_for_h100(compiled, q_dtype, kv_dtype, block_q
 @pytest.mark.parametrize("out_dtype", MERGE_DTYPES)
 def test_merge_kernel_compiles_for_h100(compiled, out_dtype):
     assert compiled[f"merge {out_dtype}"] == "ok"
+
+
+@pytest.mark.parametrize(("dtype", "block_n"), MATMUL_CONFIGS)
+def test_invariant_matmul_compiles_for_h100(compiled, dtype, block_n):
+    assert compiled[f"matmul {dtype} {block_n}"] == "ok"
 
 
 def test_step_metadata_alignment_does_not_choose_a_compile(compiled):

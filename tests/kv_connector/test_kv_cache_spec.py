@@ -12,7 +12,7 @@ from engine.helpers import make_engine, prompt_ids, run_to_completion
 from loom import SamplingParams
 from loom.core.request import Request
 from loom.engine import resolve
-from loom.kernels import KERNEL_ARITHMETIC
+from loom.kernels import CUDA_INVARIANT_ARITHMETIC, KERNEL_ARITHMETIC
 from loom.kv_connector import (
     KVCacheSpec,
     KVConnectorRole,
@@ -138,7 +138,8 @@ def test_the_arithmetic_names_the_kernels_that_compute(monkeypatch) -> None:
     monkeypatch.setattr(resolve, "cpu_kernels_available", lambda: True)
     assert resolve.kv_arithmetic("cpu") == f"{KERNEL_ARITHMETIC}/auto"
     assert resolve.kv_arithmetic("cpu", "torch") == f"{KERNEL_ARITHMETIC}/torch"
-    assert resolve.kv_arithmetic("cuda") == "torch-cuda/auto"
-    assert resolve.kv_arithmetic("cuda:1", "triton") == "torch-cuda/triton"
+    # CUDA: the batch-invariant kernels by default, cuBLAS's GEMMs (torch's ops) without.
+    assert resolve.kv_arithmetic("cuda") == f"{CUDA_INVARIANT_ARITHMETIC}/auto"
+    assert resolve.kv_arithmetic("cuda:1", "triton", False) == "torch-cuda/triton"
     monkeypatch.setattr(resolve, "cpu_kernels_available", lambda: False)
     assert resolve.kv_arithmetic("cpu") == "torch-cpu/auto"
