@@ -55,8 +55,8 @@ def elementwise_kernels(x: torch.Tensor, *params: torch.Tensor) -> ModuleType | 
 
 
 __all__ = [
-    "GGUF_C_BLOCK_TYPES",
     "CUDA_INVARIANT_ARITHMETIC",
+    "GGUF_C_BLOCK_TYPES",
     "KERNEL_ARITHMETIC",
     "KV_CACHE_KERNEL_DTYPES",
     "W4A8_MAX_SEGMENTS",

@@ -55,7 +55,9 @@ PREFILL_ROWS = 64
 # Smallest tile side tl.dot accepts on the GPU.
 MIN_DOT = 16
 # Keys per part (whole BLOCK_N tiles): the fixed cut every row's fold follows.
-PART_KEYS = 256
+PART_KEYS = 128
+# Most programs one item's parts are spread over.
+MAX_PROGRAMS = 64
 
 
 @triton.jit
@@ -137,15 +139,21 @@ def _attend_part(
         lo = tl.maximum(lo, first_pos + qoff - window + 1)
     p_lo = lo // PART
     p_hi = last_pos // PART + 1
-    if not SINGLE_PART:  # this program computes part program_id(2) alone
-        p_lo = tl.maximum(p_lo, tl.program_id(2))
-        p_hi = tl.minimum(p_hi, tl.program_id(2) + 1)
+    stride = 1
+    if not SINGLE_PART:  # program j computes parts p_lo + j, p_lo + j + P, ..., each alone
+        p_lo += tl.program_id(2)
+        stride = tl.num_programs(2)
+    # A program with no part (past a short item's parts) reads and stores nothing.
+    q_ok = row_ok & (rows * 0 + p_lo < p_hi)
+    q = tl.load(q_ptr + flat_row[:, None] * HEAD_DIM + d[None, :],
+                mask=q_ok[:, None] & d_ok[None, :], other=0.0)
 
     cols = tl.arange(0, BLOCK_N)
     big_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     big_l = tl.zeros([BLOCK_M], tl.float32)
     big_a = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for p in range(p_lo, p_hi):
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    for p in range(p_lo, p_hi, stride):
         k_lo = tl.maximum(lo, p * PART)
         k_hi = tl.minimum(last_pos + 1, (p + 1) * PART)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -177,20 +185,30 @@ def _attend_part(
             m_i = m_new
         if SINGLE_PART:
             big_m, big_l, big_a = _fold(big_m, big_l, big_a, m_i, l_i, acc)
-        else:
-            big_m, big_l, big_a = m_i, l_i, acc
+        else:  # part p's state, in its slot; `_merge_parts` folds the slots in order
+            part_row = p * num_rows + flat_row
+            tl.store(acc_ptr + part_row[:, None] * HEAD_DIM + d[None, :], acc, mask=out_mask)
+            tl.store(m_ptr + part_row, m_i, mask=row_ok)
+            tl.store(l_ptr + part_row, l_i, mask=row_ok)
 
-    out_mask = row_ok[:, None] & d_ok[None, :]
     if SINGLE_PART:
         # Every valid row sees at least its own position, so big_l > 0.
         out = big_a / tl.where(big_l > 0, big_l, 1.0)[:, None]
         tl.store(out_ptr + flat_row[:, None] * HEAD_DIM + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=out_mask)
-    elif p_lo < p_hi:  # a part past (or before) every row's keys stores nothing
-        part_row = tl.program_id(2) * num_rows + flat_row
-        tl.store(acc_ptr + part_row[:, None] * HEAD_DIM + d[None, :], big_a, mask=out_mask)
-        tl.store(m_ptr + part_row, big_m, mask=row_ok)
-        tl.store(l_ptr + part_row, big_l, mask=row_ok)
+
+
+@triton.jit
+def _load_state(acc_ptr, m_ptr, l_ptr, p, p_end, r, num_rows, d, d_ok, HEAD_DIM: tl.constexpr):
+    """Part p's state of row r, or the fold's no-op (-inf, 0, 0) when p >= p_end."""
+    one = tl.zeros([1], tl.int32)
+    ok = one + p < p_end
+    at = p * num_rows + r
+    m = tl.load(m_ptr + at + one, mask=ok, other=float("-inf"))
+    lsum = tl.load(l_ptr + at + one, mask=ok, other=0.0)
+    acc = tl.load(acc_ptr + at * HEAD_DIM + d[None, :], mask=d_ok[None, :] & ok[:, None],
+                  other=0.0)
+    return m, lsum, acc
 
 
 @triton.jit(do_not_specialize=["num_rows", "window"],
@@ -201,7 +219,8 @@ def _merge_parts(
     PART: tl.constexpr, WINDOW: tl.constexpr,
 ):
     # One program per row of [T * H, D]: fold the parts its position can see, in order
-    # (the same fold a single program makes; see the module docstring).
+    # (the same fold a single program makes; see the module docstring). Four parts' loads
+    # are issued together; a part past the row's last is the fold's exact no-op.
     r = tl.program_id(0)
     pos = tl.load(positions_ptr + r // NUM_HEADS)
     lo = pos * 0
@@ -213,12 +232,20 @@ def _merge_parts(
     big_l = tl.zeros([1], tl.float32)
     big_a = tl.zeros([1, BLOCK_D], tl.float32)
     # Padding rows of a graph step may hold any position: stay inside the parts written.
-    for p in range(tl.maximum(lo // PART, 0), tl.minimum(pos // PART + 1, num_parts)):
-        at = p * num_rows + r
-        m = tl.load(m_ptr + at + tl.zeros([1], tl.int32))
-        lsum = tl.load(l_ptr + at + tl.zeros([1], tl.int32))
-        acc = tl.load(acc_ptr + at * HEAD_DIM + d[None, :], mask=d_ok[None, :], other=0.0)
-        big_m, big_l, big_a = _fold(big_m, big_l, big_a, m, lsum, acc)
+    p_end = tl.minimum(pos // PART + 1, num_parts)
+    for p in range(tl.maximum(lo // PART, 0), p_end, 4):
+        m0, l0, a0 = _load_state(acc_ptr, m_ptr, l_ptr, p, p_end, r, num_rows, d, d_ok,
+                                 HEAD_DIM)
+        m1, l1, a1 = _load_state(acc_ptr, m_ptr, l_ptr, p + 1, p_end, r, num_rows, d, d_ok,
+                                 HEAD_DIM)
+        m2, l2, a2 = _load_state(acc_ptr, m_ptr, l_ptr, p + 2, p_end, r, num_rows, d, d_ok,
+                                 HEAD_DIM)
+        m3, l3, a3 = _load_state(acc_ptr, m_ptr, l_ptr, p + 3, p_end, r, num_rows, d, d_ok,
+                                 HEAD_DIM)
+        big_m, big_l, big_a = _fold(big_m, big_l, big_a, m0, l0, a0)
+        big_m, big_l, big_a = _fold(big_m, big_l, big_a, m1, l1, a1)
+        big_m, big_l, big_a = _fold(big_m, big_l, big_a, m2, l2, a2)
+        big_m, big_l, big_a = _fold(big_m, big_l, big_a, m3, l3, a3)
     out = big_a / tl.where(big_l > 0, big_l, 1.0)[:, None]
     tl.store(out_ptr + r * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=d_ok[None, :])
@@ -229,15 +256,17 @@ class AttentionPlan:
     """How one step's queries are tiled: shared by every layer of the step.
 
     work_seq / work_qoff: [W] int32 on the device, the sequence and first query token of each
-    work item; block_q: query tokens per item; num_parts: 1, one program per item folds all
-    its parts, else one program per part of `part_keys` keys, parts [0, num_parts) (enough
-    for the longest context; those past an item's keys store nothing); real_lens: [S] int64,
-    where chunks are padded (CUDA graph steps), how many of each chunk's tokens are real (0
-    for a padding sequence), else None."""
+    work item; block_q: query tokens per item; num_programs: programs per item (1: one
+    program folds all the item's parts; P > 1: program j computes parts j, j + P, ... of
+    the item, each into its slot, and `_merge_parts` folds them); num_parts: the slots,
+    enough for the longest context the step (or graph) serves; real_lens: [S] int64, where
+    chunks are padded (CUDA graph steps), how many of each chunk's tokens are real (0 for a
+    padding sequence), else None. None of these changes a bit of the result."""
 
     work_seq: torch.Tensor
     work_qoff: torch.Tensor
     block_q: int
+    num_programs: int
     num_parts: int
     real_lens: torch.Tensor | None = None
     part_keys: int = PART_KEYS
@@ -257,25 +286,24 @@ def block_q_for(max_query_len: int, group: int) -> int:
 def tile_rows(group: int) -> int:
     """Query rows of every tile of a model with `group` query heads per kv head: fixed, so
     that a decode's row and a prefill's row go through the same tensor-core shapes and
-    reductions (a row's bits must not depend on how many rows its tile holds)."""
+    reductions (measured on an H200: 16-row and 64-row tiles round differently)."""
     return max(MIN_DOT, PREFILL_ROWS, _next_pow2(group))
 
 
-def parts_for(num_items: int, num_kv_heads: int, max_keys: int, target_programs: int,
-              part_keys: int = PART_KEYS) -> int:
-    """1 (one program per item) when the items alone give about `target_programs`
-    programs or no context is longer than a part; else the parts of the longest context
-    (one program each)."""
-    if num_items * num_kv_heads >= target_programs or max_keys <= part_keys:
-        return 1
-    return -(-max_keys // part_keys)
+def programs_for(num_items: int, num_kv_heads: int, max_keys: int, target_programs: int,
+                 part_keys: int = PART_KEYS) -> int:
+    """Programs per item so that about `target_programs` run: 1 when the items alone fill
+    the GPU, at most one per part of the longest context and MAX_PROGRAMS."""
+    parts = max(1, -(-max_keys // part_keys))
+    wanted = -(-target_programs // max(1, num_items * num_kv_heads))
+    return max(1, min(parts, wanted, MAX_PROGRAMS))
 
 
 def make_plan(query_lens: list[int], seq_lens: list[int], group: int, num_kv_heads: int,
               device: torch.device, target_programs: int, split: bool | None = None,
               part_keys: int = PART_KEYS) -> AttentionPlan:
     """The tiling of a step from its host-side lengths (`split` forces one program per
-    part, or per item, instead of choosing by `parts_for`)."""
+    part, or one per item, instead of choosing by `programs_for`)."""
     block_q = block_q_for(max(query_lens, default=1), group)
     seqs: list[int] = []
     offs: list[int] = []
@@ -283,13 +311,14 @@ def make_plan(query_lens: list[int], seq_lens: list[int], group: int, num_kv_hea
         for off in range(0, n, block_q):
             seqs.append(b)
             offs.append(off)
-    max_keys = max(seq_lens, default=1)
+    parts = max(1, -(-max(seq_lens, default=1) // part_keys))
     if split is None:
-        num_parts = parts_for(len(seqs), num_kv_heads, max_keys, target_programs, part_keys)
+        programs = programs_for(len(seqs), num_kv_heads, max(seq_lens, default=1),
+                                target_programs, part_keys)
     else:
-        num_parts = max(2, -(-max_keys // part_keys)) if split else 1
+        programs = max(2, parts) if split else 1
     packed = torch.tensor([seqs, offs], dtype=torch.int32).to(device, non_blocking=True)
-    return AttentionPlan(packed[0], packed[1], block_q, num_parts, part_keys=part_keys)
+    return AttentionPlan(packed[0], packed[1], block_q, programs, parts, part_keys=part_keys)
 
 
 def paged_attention(
@@ -320,7 +349,7 @@ def paged_attention(
     block_m = tile_rows(group)
     block_d = max(MIN_DOT, _next_pow2(head_dim))
     num_rows = num_tokens * num_heads
-    single = plan.num_parts == 1
+    single = plan.num_programs == 1
     if single:
         acc = m = lsum = out  # unused by the kernel
     else:
@@ -328,7 +357,7 @@ def paged_attention(
                           device=q.device)
         m = torch.empty((plan.num_parts, num_rows), dtype=torch.float32, device=q.device)
         lsum = torch.empty_like(m)
-    grid = (plan.work_seq.shape[0], num_kv_heads, plan.num_parts)
+    grid = (plan.work_seq.shape[0], num_kv_heads, plan.num_programs)
     _attend_part[grid](
         q, kv_cache[0], kv_cache[1], block_tables, seq_lens, query_start,
         plan.work_seq, plan.work_qoff,

@@ -12,6 +12,9 @@ one tile shape (`_BLOCK_M` x `block_n_for(N)` x `_BLOCK_K`, the same warps and s
 Nothing in the launch depends on M except the number of row tiles: a row's values do not
 depend on which tile it lands in or on the rows beside it (masked rows load zeros and are
 not stored). The tile's column width may depend on the weight (N), never on the batch.
+(Measured on an H200 at Gemma 3 270M's shapes: the bits do not even change with the tile's
+rows, columns or warps, and equal cuBLAS's there; only the K order is the arithmetic. The
+launch still keeps everything but the grid fixed, so the guarantee does not rest on that.)
 
 Triton's interpreter runs it on a CPU (tests); there `input_precision="ieee"` keeps float32
 inputs exact.
@@ -33,10 +36,10 @@ _MIN_PROGRAMS = 64
 
 def block_n_for(n: int) -> int:
     """Output columns per tile for a weight of `n` rows: a function of the weight alone."""
-    for width in (128, 64):
+    for width in (128, 64, 32):
         if triton.cdiv(n, width) >= _MIN_PROGRAMS:
             return width
-    return 32
+    return 16
 
 
 # M changes every step: it is neither specialised (== 1, divisible by 16) nor part of the
@@ -91,6 +94,6 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor,
             rows.stride(0), weight.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_K=_BLOCK_K,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            num_warps=4, num_stages=3,
+            num_warps=4, num_stages=4,
         )
     return y.view(*x.shape[:-1], n)

@@ -149,7 +149,7 @@ class DecodeGraphRunner:
                         self.sizes, time.perf_counter() - began)
 
     def _metadata(self, size: int) -> AttentionMetadata:
-        from loom.kernels.triton_attention import AttentionPlan, block_q_for, parts_for
+        from loom.kernels.triton_attention import AttentionPlan, block_q_for, programs_for
 
         tokens = size * self.tokens_per_seq
         md = AttentionMetadata(
@@ -159,19 +159,22 @@ class DecodeGraphRunner:
             query_lens_list=[self.tokens_per_seq] * size,
             seq_lens_list=[self._max_model_len] * size,
         )
-        # Parts of the longest context a graph serves: each sequence's programs past its
-        # own keys store nothing (the cut is fixed, so a row's bits do not depend on it).
+        # Slots for the parts of the longest context a graph serves; each sequence spreads
+        # its own parts over the bucket's programs (the cut is fixed, so a row's bits do
+        # not depend on how many there are).
+        part_keys = self.backend.part_keys
+        parts = -(-self._max_model_len // part_keys)
         split = self.backend.split
         if split is None:
-            parts = parts_for(size, self._num_kv_heads, self._max_model_len,
-                              self.backend.target_programs, self.backend.part_keys)
+            programs = programs_for(size, self._num_kv_heads, self._max_model_len,
+                                    self.backend.target_programs, part_keys)
         else:
-            parts = max(2, -(-self._max_model_len // self.backend.part_keys)) if split else 1
+            programs = max(2, parts) if split else 1
         plan = AttentionPlan(  # one work item per sequence, covering its token slots
             work_seq=torch.arange(size, dtype=torch.int32, device=self.device),
             work_qoff=torch.zeros(size, dtype=torch.int32, device=self.device),
-            block_q=block_q_for(self.tokens_per_seq, self._group), num_parts=parts,
-            real_lens=self._real_lens[:size], part_keys=self.backend.part_keys,
+            block_q=block_q_for(self.tokens_per_seq, self._group), num_programs=programs,
+            num_parts=parts, real_lens=self._real_lens[:size], part_keys=part_keys,
         )
         assert plan.block_q >= self.tokens_per_seq
         md.plan_cache[self.backend.plan_key(self._group, self._num_kv_heads)] = plan

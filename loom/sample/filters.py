@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from loom.kernels import elementwise_kernels
+
 _NEG_INF = float("-inf")
 
 
@@ -72,7 +74,7 @@ def _thresholds(values: Tensor, ks: Tensor, ps: Tensor | None, log_norm: Tensor 
 def _top_p_thresholds(logits: Tensor, ps: Tensor) -> Tensor:
     """Thresholds [r] for rows with top-p and no top-k, sorting as little as possible."""
     vocab = logits.shape[1]
-    log_norm = logits.logsumexp(dim=-1)
+    log_norm = log_normaliser(logits)
     if logits.device.type != "cpu" or vocab <= 4 * _CANDIDATES:
         ks = torch.full_like(ps, vocab, dtype=torch.long)
         values = logits.sort(dim=-1, descending=True).values
@@ -129,3 +131,14 @@ def apply_top_k_top_p(logits: Tensor, top_ks: Sequence[int], top_ps: Sequence[fl
         else:
             thresholds.index_copy_(0, index, group_thr)
     return logits.masked_fill(logits < thresholds.unsqueeze(1), _NEG_INF)
+
+
+def log_normaliser(logits: Tensor) -> Tensor:
+    """log-sum-exp of each row of [R, V] logits, computed per row whatever the batch where a
+    row kernel runs (CUDA), torch's logsumexp elsewhere."""
+    kernels = elementwise_kernels(logits)
+    if kernels is not None and logits.dim() == 2:
+        from loom.kernels.triton_logsumexp import logsumexp_rows
+
+        return logsumexp_rows(logits)
+    return logits.logsumexp(dim=-1)

@@ -28,7 +28,12 @@ from torch import Tensor
 
 from loom.kernels import argmax_logsumexp, use_cpu_kernels
 from loom.sample.draw import inverse_cdf, uniforms
-from loom.sample.filters import apply_min_p, apply_temperature, apply_top_k_top_p
+from loom.sample.filters import (
+    apply_min_p,
+    apply_temperature,
+    apply_top_k_top_p,
+    log_normaliser,
+)
 from loom.sample.penalties import (
     apply_logit_bias,
     apply_logits_processors,
@@ -100,11 +105,13 @@ def argmax_and_normaliser(raw: Tensor) -> tuple[Tensor | None, Tensor]:
     """(argmax or None, log-sum-exp) of each row of raw float32 logits [R, V].
 
     On the CPU kernels both come from one read, by one arithmetic per row whatever the other
-    rows are, so a token's logprob is the same bits in any batch (torch's logsumexp is used
-    only where the kernels are not: it must never serve some rows and the kernel others)."""
+    rows are, so a token's logprob is the same bits in any batch; on CUDA the log-sum-exp
+    is Triton's row kernel for the same reason (torch's logsumexp is used only where neither
+    runs: it must never serve some rows and a kernel others)."""
     if use_cpu_kernels(raw):
         return argmax_logsumexp(raw.contiguous())
-    return None, raw.logsumexp(dim=-1)
+    return None, log_normaliser(raw)
+
 
 
 def position_logprobs(logits: Tensor, token_ids: Sequence[int], top_n: int

@@ -87,14 +87,20 @@ def test_triton_attention_reads_float16_cache(device):
 
 
 def test_parts_fill_the_gpu_within_bounds():
-    from loom.kernels.triton_attention import PART_KEYS, block_q_for, parts_for, tile_rows
+    from loom.kernels.triton_attention import (
+        MAX_PROGRAMS,
+        PART_KEYS,
+        block_q_for,
+        programs_for,
+        tile_rows,
+    )
 
-    assert parts_for(1, 1, 512, 512) == 512 // PART_KEYS  # one program per part of keys
-    assert parts_for(1, 1, 32768, 512) == 32768 // PART_KEYS
-    assert parts_for(64, 1, 4096, 512) == 4096 // PART_KEYS
-    assert parts_for(600, 2, 4096, 512) == 1  # the items alone fill it
-    assert parts_for(1, 1, PART_KEYS, 512) == 1  # one part: nothing to split
-    assert parts_for(1, 1, 0, 512) == 1
+    assert programs_for(1, 1, 512, 512) == 512 // PART_KEYS  # one program per part at most
+    assert programs_for(1, 1, 32768, 512) == MAX_PROGRAMS
+    assert programs_for(64, 1, 32768, 512) == 8  # 64 items x 8 programs = 512
+    assert programs_for(600, 2, 4096, 512) == 1  # the items alone fill it
+    assert programs_for(1, 1, PART_KEYS, 512) == 1  # one part: nothing to split
+    assert programs_for(1, 1, 0, 512) == 1
     assert block_q_for(1, 4) == 1  # decodes: one token per item
     assert block_q_for(300, 4) == 16  # prefill: 16 tokens x 4 heads = 64 rows
     assert block_q_for(3, 1) == 4  # verification chunks: the chunk rounded up
@@ -121,18 +127,21 @@ def test_a_rows_output_does_not_depend_on_its_launch(case, device):
     q_all = torch.randn(length, heads, dim, generator=gen).to(device)
     other_q = torch.randn(30, heads, dim, generator=gen).to(device)
 
-    def attend(chunks, tables, q, split):
+    def attend(chunks, tables, q, launch):
+        split, target = launch
         md = AttentionMetadata.build([s for s, _ in chunks], [n for _, n in chunks], tables,
                                      page, device=device)
         plan = ta.make_plan(md.query_lens_list, md.seq_lens_list, heads // kv_heads,
-                            kv_heads, torch.device(device), 512, split, part)
+                            kv_heads, torch.device(device), target, split, part)
         return ta.paged_attention(q, cache, md.block_tables, md.seq_lens, md.query_start_loc,
                                   md.positions, plan, dim ** -0.5, window, softcap)
 
-    want = attend([(0, length)], [table], q_all, False)[length - 1]  # last row of a prefill
+    # The last row of a prefill computed by one program per item.
+    want = attend([(0, length)], [table], q_all, (False, 512))[length - 1]
     others = [(40, 1), (3, 20), (60, 1)]
     other_tables = [[1, 3, 4, 6], [8, 10], [11, 4, 6, 1]]
-    for split in (False, True):
+    # One program per item; one per part; two programs sharing an item's three parts.
+    for split in ((False, 512), (True, 512), (None, 2)):
         alone = attend([(length - 1, 1)], [table], q_all[-1:], split)[0]
         assert torch.equal(alone, want), f"decode alone, split={split}"
         q = torch.cat([other_q[:1], q_all[-1:], other_q[1:23]])

@@ -29,7 +29,8 @@ KERNEL_CONFIGS = [("fp32", "fp32", 1), ("fp32", "fp32", 16), ("fp32", "fp16", 1)
                   ("bf16", "bf16", 1), ("bf16", "bf16", 16)]
 MERGE_DTYPES = ["fp32", "bf16"]
 # (dtype, output columns per tile): the widths block_n_for gives.
-MATMUL_CONFIGS = [("bf16", 32), ("bf16", 64), ("bf16", 128), ("fp32", 64), ("fp16", 128)]
+MATMUL_CONFIGS = [("bf16", 16), ("bf16", 32), ("bf16", 64), ("bf16", 128), ("fp32", 64),
+                  ("fp16", 128)]
 ELEMENTWISE_DTYPES = ["fp32", "bf16"]
 
 _CHILD = r'''
@@ -40,6 +41,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from loom.kernels import triton_attention as ta
 from loom.kernels import triton_elementwise as te
+from loom.kernels import triton_logsumexp as tl_lse
 from loom.kernels import triton_matmul as tm
 
 H100, HEAD_DIM, GROUP = GPUTarget("cuda", 90, 32), 256, 4
@@ -94,7 +96,12 @@ for dt, block_n in json.loads(sys.argv[4]):
     constants = dict(HAS_BIAS=block_n == 64, BLOCK_M=tm._BLOCK_M, BLOCK_N=block_n,
                      BLOCK_K=tm._BLOCK_K, PRECISION="ieee" if dt == "fp32" else "tf32")
     results[f"matmul {dt} {block_n}"] = compile_for_h100(tm._matmul, signature, constants, 4,
-                                                         num_stages=3)
+                                                         num_stages=4)
+for dt in ("fp32", "bf16"):
+    signature = {"x_ptr": f"*{dt}", "out_ptr": "*fp32", "cols": "i32", "stride": "i32"}
+    results[f"logsumexp {dt}"] = compile_for_h100(
+        tl_lse._logsumexp_rows, signature, dict(BLOCK=tl_lse._BLOCK), 8,
+        enable_fp_fusion=False)
 results["attend alignment-free"] = sorted(
     p.name for p in ta._attend_part.params if p.do_not_specialize_on_alignment)
 for dt in json.loads(sys.argv[3]):
@@ -148,6 +155,11 @@ def test_merge_kernel_compiles_for_h100(compiled, out_dtype):
 @pytest.mark.parametrize(("dtype", "block_n"), MATMUL_CONFIGS)
 def test_invariant_matmul_compiles_for_h100(compiled, dtype, block_n):
     assert compiled[f"matmul {dtype} {block_n}"] == "ok"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_row_logsumexp_compiles_for_h100(compiled, dtype):
+    assert compiled[f"logsumexp {dtype}"] == "ok"
 
 
 def test_step_metadata_alignment_does_not_choose_a_compile(compiled):

@@ -52,4 +52,5 @@ def test_edges():
     with pytest.raises(TypeError, match="bfloat16"):
         invariant_linear(torch.randn(2, 8, device=DEVICE), w.to(torch.bfloat16))
     # The tile width depends on the weight alone: wide outputs get wide tiles.
-    assert block_n_for(262_144) == 128 and block_n_for(4096) == 64 and block_n_for(640) == 32
+    assert block_n_for(262_144) == 128 and block_n_for(4096) == 64 and block_n_for(2048) == 32
+    assert block_n_for(640) == 16
