@@ -98,10 +98,13 @@ for dt, block_n in json.loads(sys.argv[4]):
     results[f"matmul {dt} {block_n}"] = compile_for_h100(tm._matmul, signature, constants, 4,
                                                          num_stages=4)
 for dt in ("fp32", "bf16"):
-    signature = {"x_ptr": f"*{dt}", "out_ptr": "*fp32", "cols": "i32", "stride": "i32"}
+    signature = {"x_ptr": f"*{dt}", "m_ptr": "*fp32", "s_ptr": "*fp32", "cols": "i32",
+                 "stride": "i32", "num_chunks": "i32"}
     results[f"logsumexp {dt}"] = compile_for_h100(
-        tl_lse._logsumexp_rows, signature, dict(BLOCK=tl_lse._BLOCK), 8,
-        enable_fp_fusion=False)
+        tl_lse._chunk_stats, signature, dict(CHUNK=tl_lse._CHUNK), 8, enable_fp_fusion=False)
+signature = {"m_ptr": "*fp32", "s_ptr": "*fp32", "out_ptr": "*fp32", "num_chunks": "i32"}
+results["logsumexp combine"] = compile_for_h100(
+    tl_lse._combine_chunks, signature, dict(BLOCK_C=64), 1, enable_fp_fusion=False)
 results["attend alignment-free"] = sorted(
     p.name for p in ta._attend_part.params if p.do_not_specialize_on_alignment)
 for dt in json.loads(sys.argv[3]):
@@ -160,6 +163,7 @@ def test_invariant_matmul_compiles_for_h100(compiled, dtype, block_n):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_row_logsumexp_compiles_for_h100(compiled, dtype):
     assert compiled[f"logsumexp {dtype}"] == "ok"
+    assert compiled["logsumexp combine"] == "ok"
 
 
 def test_step_metadata_alignment_does_not_choose_a_compile(compiled):
