@@ -18,11 +18,12 @@ part's state computed from fresh over its whole BLOCK_N tiles:
     for p in the row's parts:  M, L, A = fold(M, L, A, state(p))
     out = A / L
 
-Two launches compute that fold. With one program per item (`num_parts == 1`: prefill
+Two launches compute that fold. With one program per item (`num_programs == 1`: prefill
 chunks, big batches) the program computes each part's state and folds it in as it goes.
-Split (decodes of few sequences, where one context is the only parallelism there is), the
-program of part p writes state(p), and `_merge_parts` folds each row's parts in the same
-order with the same operations. A part the row cannot see is an exact no-op of the fold,
+Spread (decodes of few sequences, where one context is the only parallelism there is),
+program j of P computes the item's parts j, j + P, ... and writes each one's state to its
+slot, and `_merge_parts` folds each row's parts in the same order with the same
+operations. A part the row cannot see is an exact no-op of the fold,
 and the tile shape (`block_m` query rows, BLOCK_N keys, the head width) and warps are fixed
 per model, so a row's output is the same bits whichever way it was launched, however many
 rows share its tile and whatever else the step holds: the default mode's batch invariance
@@ -36,8 +37,9 @@ reference backend to float32 rounding.
 
 The launch shapes depend only on (work items, programs per item), and each item finds its
 parts from its own length on the device, which is what lets a CUDA graph capture a decode
-step: the runner pads the batch to its bucket and launches the parts of the longest
-context the graph serves; parts past an item's keys store nothing.
+step: the runner pads the batch to its bucket and fixes the programs per item and the slots
+(the parts of the longest context the graph serves); a program left without a part of its
+item reads and stores nothing.
 """
 
 from __future__ import annotations
@@ -66,13 +68,6 @@ def exp_tanh(x):
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
-# Triton compiles a kernel again for every new combination of its integer arguments' value
-# classes (== 1, divisible by 16) and its pointers' alignment (to 16 bytes); these change
-# from step to step (the token count, the widest block table; where a step's packed metadata
-# puts its fields, and with it whether work_qoff or seq_lens starts on 16 bytes), so they are
-# not specialised: one compile per tile shape, not per step. (On an H100 a mixed step whose
-# item count was odd compiled a second variant: 1.5 s in the middle of a run.) The metadata
-# pointers are read one element at a time, so alignment would gain nothing there.
 @triton.jit
 def _fold(big_m, big_l, big_a, m, lsum, acc):
     """Fold one part's state (m, lsum, acc) into the running (big_m, big_l, big_a) of the
