@@ -60,10 +60,7 @@ class AsyncLLMEngine:
         # Called with the id of every request the engine ended by itself (an expired session).
         self.on_ended: list[Callable[[str], None]] = []
         # A session restored from a KV store (on its first use by id) gets its queue.
-        engine.table.on_session_restored.append(
-            lambda session_id: self._queues.setdefault(session_id, asyncio.Queue()))
-        # Ids whose add_request waits for the lock: they have a queue but no group yet.
-        self._adding: set[str] = set()
+        engine.table.on_session_restored.append(self._open_queue)
         # Set by `shutdown`: why every later call is refused.
         self._closed: EngineShutDownError | None = None
 
@@ -152,11 +149,30 @@ class AsyncLLMEngine:
             if not fut.done():
                 fut.set_result(outputs)
 
+    def _open_queue(self, request_id: str) -> None:
+        """Give a request the engine has just created its output queue. Called under the
+        lock, in the same engine call that created it: a queue exists exactly while its
+        request is live (and until its end is delivered), so the step after a creation can
+        never take it for an ended request's. A queue left by an earlier request of this id
+        (the engine refuses a live id, so it has ended) gets its end first."""
+        self._end_queue(request_id, UnknownRequestError(f"request {request_id!r} has ended"))
+        self._queues[request_id] = asyncio.Queue()
+
+    def _opening(self, fn: Callable[..., Any], request_id: str) -> Callable[..., Any]:
+        """`fn`, an engine call that creates request `request_id`, followed by its queue."""
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            result = fn(*args, **kwargs)
+            self._open_queue(request_id)
+            return result
+
+        return run
+
     def _drop_ended_queues(self) -> None:
         """Forget the queues of requests the engine ended by itself (an expired session):
         a caller still waiting on one gets the reason instead of waiting forever."""
-        engine, adding = self.engine, self._adding
-        ended = [rid for rid in self._queues if rid not in adding and not engine.is_live(rid)]
+        engine = self.engine
+        ended = [rid for rid in self._queues if not engine.is_live(rid)]
         for request_id in ended:
             queue = self._queues.pop(request_id)
             reason = engine.ended_reason(request_id)
@@ -221,35 +237,18 @@ class AsyncLLMEngine:
         sampling_params: SamplingParams | None = None,
         **kwargs: Any,
     ) -> None:
-        """Queue a request or open a session (`session=True`)."""
-        created = request_id not in self._queues
-        if created:
-            self._queues[request_id] = asyncio.Queue()
-            self._adding.add(request_id)
-        try:
-            await self._call(self.engine.add_request, request_id, prompt, sampling_params, **kwargs)
-        except LoomError:
-            if created:  # a duplicate id must not take the live request's queue away
-                self._queues.pop(request_id, None)
-            raise
-        finally:
-            if created:
-                self._adding.discard(request_id)
+        """Queue a request or open a session (`session=True`); its output queue opens with it
+        (a refused one, a duplicate id included, changes no queue)."""
+        await self._call(self._opening(self.engine.add_request, request_id), request_id,
+                         prompt, sampling_params, **kwargs)
 
     async def fork_session(self, request_id: str, new_id: str, num_tokens: int | None = None,
                            **kwargs: Any) -> int:
         """Open session `new_id` from a paused session's first tokens, sharing its blocks
-        (see `LLMEngine.fork_session`); returns the tokens whose K/V it shares."""
-        created = new_id not in self._queues
-        if created:
-            self._queues[new_id] = asyncio.Queue()
-        try:
-            return await self._call(self.engine.fork_session, request_id, new_id, num_tokens,
-                                    **kwargs)
-        except LoomError:
-            if created:
-                self._queues.pop(new_id, None)
-            raise
+        (see `LLMEngine.fork_session`); returns the tokens whose K/V it shares. Its output
+        queue opens with it."""
+        return await self._call(self._opening(self.engine.fork_session, new_id), request_id,
+                                new_id, num_tokens, **kwargs)
 
     async def step(self) -> list[RequestOutput]:
         """The outputs of the next engine step."""

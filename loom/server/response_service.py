@@ -6,12 +6,16 @@ its output, the new input items; this request's `instructions` first) is rendere
 chat template, as chat completions would render it. The previous response's session is
 forked at the longest common token prefix of its tokens and the rendered ones (sharing its
 blocks copy-on-write: two responses continuing the same one do not disturb each other), and
-only the difference is appended and computed before generating. A template that renders
-earlier turns differently once more turns follow (or the closing tokens of a turn cut by
-`max_output_tokens`) only moves the common prefix back. Where the previous session is gone
-(its time to live passed, the server restarted), the conversation is computed afresh from
-its rendered tokens (the prefix cache or the KV store may still hold them): the same
-tokens, since a token's logits do not depend on how its context reached the cache.
+only the difference is appended and computed before generating. A response whose output
+followed a grammar (a forced tool call, `text.format`) is not forked, since a fork would
+carry the grammar's state into the next turn (`StoredResponse.forkable`): its continuation
+opens a session of its own over the conversation, served by the prefix cache. A template
+that renders earlier turns differently once more turns follow (or the closing tokens of a
+turn cut by `max_output_tokens`) only moves the common prefix back. Where the previous
+session is gone (its time to live passed, the server restarted, a delete raced the
+continuation), the conversation is computed afresh from its rendered tokens (the prefix
+cache or the KV store may still hold them): the same tokens, since a token's logits do not
+depend on how its context reached the cache.
 
 This module knows no transport: `ResponseService.start` checks a request and starts its
 session, and a `ResponseTurn` yields the Responses API's events (plain dicts, the last one
@@ -41,11 +45,11 @@ from typing import Any
 
 from loom.engine.session_store import SessionStore
 from loom.engine.sessions import common_prefix
-from loom.errors import InvalidRequestError, LoomError
+from loom.errors import InvalidRequestError, LoomError, UnknownRequestError
 from loom.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from loom.server import tool_calls
 from loom.server.constraints import constrain
-from loom.server.errors import APIError
+from loom.server.errors import APIError, as_api_error
 from loom.server.protocol import (
     CalledFunction,
     ChatMessage,
@@ -177,8 +181,23 @@ class StoredResponse:
 
     @property
     def status(self) -> str:
+        """in_progress, completed, incomplete."""
         return str(self.body["status"])
 
+    @property
+    def forkable(self) -> bool:
+        """Whether a continuation may fork this response's session. Not when its output
+        followed a grammar (a forced tool call, `text.format`): the session keeps the
+        grammar's state and a fork carries it, cut back to the fork's length, so that a next
+        turn under the same constraint would go on with that document instead of starting
+        its own (and a cut across a finished document does not even land where it should).
+        Such a continuation opens a session of its own; the prefix cache still serves the
+        blocks it shares with this one."""
+        body = self.body
+        forced = bool(body.get("tools")) and body.get("tool_choice") not in (None, "auto",
+                                                                            "none")
+        fmt = (body.get("text") or {}).get("format") or {}
+        return not forced and fmt.get("type", "text") == "text"
 
     def to_bytes(self) -> bytes:
         """The finished response as JSON for a store (its owner as a digest of the key)."""
@@ -281,8 +300,9 @@ class ResponseTurn:
         return event
 
     def response(self, status: str, usage: dict[str, Any] | None = None,
-                 incomplete: str | None = None) -> dict[str, Any]:
-        """The response object as it stands."""
+                 incomplete: str | None = None,
+                 error: APIError | None = None) -> dict[str, Any]:
+        """The response object as it stands (`error`: why it failed)."""
         body = self.body
         fmt = body.text.format if body.text is not None and body.text.format else None
         text_format = fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {
@@ -292,7 +312,9 @@ class ResponseTurn:
                  for part in item["content"] if part["type"] == "output_text"]
         return {
             "id": self.response_id, "object": "response", "created_at": self.created_at,
-            "status": status, "background": False, "error": None,
+            "status": status, "background": False,
+            "error": None if error is None else {"code": str(error.code or error.status),
+                                                 "message": error.message},
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "model": self.service.state.config.served_model_name,
@@ -310,8 +332,23 @@ class ResponseTurn:
         }
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
-        """The turn's events as it generates; whatever ends the iteration early stops the
-        generation and forgets the response (closing its session)."""
+        """The turn's events as it generates, the last one `response.completed` or
+        `response.incomplete`; whatever ends the iteration early stops the generation and
+        forgets the response (closing its session). A turn that fails raises its APIError,
+        or, streamed (its headers are out), ends with `response.failed` naming it."""
+        try:
+            async for event in self._generate():
+                yield event
+        except Exception as error:
+            failure = as_api_error(error)
+            if not self.body.stream:
+                raise failure from None
+            logger.warning("response %s failed: %s", self.response_id, failure.message)
+            yield self._event("response.failed",
+                              response=self.response("failed", error=failure))
+
+    async def _generate(self) -> AsyncIterator[dict[str, Any]]:
+        """The events of `events`, failures raised."""
         engine = self.service.state.engine
         done = False
         try:
@@ -476,26 +513,43 @@ class ResponseService:
                             params: SamplingParams) -> None:
         """Fork the previous response's session at the common prefix and append the rest;
         else (no previous one, or its session is gone) open a session over every token."""
+        if previous is not None and previous.forkable \
+                and await self._fork(turn, previous, params):
+            return
         engine, ids, rid = self.state.engine, turn.prompt_ids, turn.response_id
-        if previous is not None and engine.is_live(previous.id):
-            view = await engine.get_session(previous.id)
-            keep = common_prefix(view.token_ids, ids)
-            if keep > 0 and not view.generating:
-                try:
-                    await engine.fork_session(previous.id, rid, keep, ttl_s=self.ttl_s)
-                except InvalidRequestError:  # no block for the fork's copy: start afresh
-                    pass
-                else:
-                    try:
-                        await engine.start_segment(rid, lambda _: params, ids[keep:] or None)
-                    except BaseException:
-                        await engine.close(rid)
-                        raise
-                    return
         try:
             await engine.add_request(rid, ids, params, session=True, ttl_s=self.ttl_s)
         except LoomError as error:
             raise APIError(400, str(error), param="input") from None
+
+    async def _fork(self, turn: ResponseTurn, previous: StoredResponse,
+                    params: SamplingParams) -> bool:
+        """Fork `previous`'s session into the turn's and start it generating after the rest
+        of its tokens; False (nothing opened) when there is nothing to share: the session is
+        gone (expired, evicted, deleted meanwhile: each engine call may find it so) or has
+        no block to spare for the copy."""
+        engine, ids, rid = self.state.engine, turn.prompt_ids, turn.response_id
+        if not engine.is_live(previous.id):  # not restored from a store just to be forked
+            return False
+        try:
+            view = await engine.get_session(previous.id)
+        except UnknownRequestError:
+            return False
+        keep = common_prefix(view.token_ids, ids)
+        # A response's session never generates again once its turn is over (a continuation
+        # forks it); `generating` here is a turn still finishing.
+        if keep == 0 or view.generating:
+            return False
+        try:
+            await engine.fork_session(previous.id, rid, keep, ttl_s=self.ttl_s)
+        except (InvalidRequestError, UnknownRequestError):
+            return False
+        try:
+            await engine.start_segment(rid, lambda _: params, ids[keep:] or None)
+        except BaseException:
+            await asyncio.shield(self._close(rid))
+            raise
+        return True
 
     async def finish(self, turn: ResponseTurn, final: dict[str, Any]) -> None:
         """The turn ended: store its response and conversation (its session stays paused
