@@ -200,14 +200,15 @@ class SequenceTable:
 
     def _grammar_for(self, seq: SequenceState, params: SamplingParams) -> GrammarMatcher | None:
         """The segment's matcher: none when unconstrained; the sequence's own when it follows
-        the same constraint and its document is not complete (a segment cut by max_tokens,
-        or after a rewind, goes on with it); else a fresh one."""
+        the same constraint, its document is not complete and the sequence still ends where
+        the document stands (a segment cut by max_tokens, or after a rewind, goes on with it;
+        after an appended fragment a new document starts); else a fresh one."""
         constraint = params.structured_outputs
         if constraint is None or self.structured is None:
             return None
         current = seq.grammar
         if current is not None and current.key == constraint.key and not current.is_finished \
-                and current.error is None:
+                and current.error is None and current.continues(len(seq.request.token_ids)):
             return current
         return self.structured.matcher(seq.group_id or seq.request_id, constraint)
 

@@ -46,9 +46,10 @@ class GrammarMatcher:
     def __init__(self, matcher: Any, key: str) -> None:
         self._matcher = matcher
         self.key = key  # the constraint it follows (StructuredOutputsParams.key)
-        # Positions (in the sequence's tokens) of the tokens consumed, in order: a cut of the
-        # sequence rolls back exactly the consumed tokens it drops.
+        # Positions (in the sequence's tokens) of the tokens consumed, in order, and the
+        # tokens: a cut of the sequence rolls back exactly the consumed tokens it drops.
         self.positions: list[int] = []
+        self.tokens: list[int] = []
 
     @property
     def num_consumed(self) -> int:
@@ -59,6 +60,7 @@ class GrammarMatcher:
         """An independent matcher in the same state (a forked child's)."""
         twin = GrammarMatcher(self._matcher.deep_copy(), self.key)
         twin.positions = list(self.positions)
+        twin.tokens = list(self.tokens)
         return twin
 
     def accepts(self, token_id: int) -> bool:
@@ -71,14 +73,30 @@ class GrammarMatcher:
         ok = self._matcher.consume_token(token_id)
         if ok:
             self.positions.append(position)
+            self.tokens.append(token_id)
         return ok
+
+    def continues(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` tokens ends where this document stands: nothing
+        consumed yet, or its last consumed token is the sequence's last (no fragment was
+        appended after it), so a new segment under the same constraint may go on with it."""
+        return not self.positions or self.positions[-1] == num_tokens - 1
 
     def rollback(self, num_tokens: int) -> None:
         """Forget the last `num_tokens` consumed tokens."""
         num_tokens = min(num_tokens, self.num_consumed)
-        if num_tokens:
+        if not num_tokens:
+            return
+        del self.positions[-num_tokens:]
+        del self.tokens[-num_tokens:]
+        if self._matcher.is_stopped():
+            # Past its end the library's rollback does not land where it started (llguidance
+            # 1.9.1 lands tokens off): start over and consume the kept tokens again.
+            self._matcher.reset()
+            for token in self.tokens:
+                self._matcher.consume_token(token)
+        else:
             self._matcher.rollback(num_tokens)
-            del self.positions[-num_tokens:]
 
     def cut(self, num_tokens: int) -> None:
         """The sequence keeps only its first `num_tokens` tokens: forget those consumed past

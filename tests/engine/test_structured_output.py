@@ -10,6 +10,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 from engine.helpers import make_engine, prompt_ids, run_to_completion
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -238,3 +239,72 @@ def test_masks_computed_during_the_forward_equal_masks_computed_after(tiny_model
         engine.core.appender.early_masks = True
         during = _complete(engine, "r", prompt_ids(8), params)
         assert [o.token_ids for o in during] == [o.token_ids for o in after]
+
+
+def test_a_finished_document_cut_back_goes_on_from_the_cut(tiny_models):
+    """A constrained segment that completed its document (its end consumed), rewound into
+    the document and resumed under the same constraint, goes on from the cut: the kept
+    tokens and the new ones form one valid document. (llguidance's own rollback past a
+    consumed end lands a few tokens off; the matcher replays the kept tokens instead.)"""
+    folder, _ = tiny_models["qwen2"]
+    engine = make_engine(folder)
+    engine.add_request("s", prompt_ids(5), session=True)
+    run_to_completion(engine)
+    digits = StructuredOutputsParams(regex=r"[0-9]{6}")
+    engine.resume("s", SamplingParams(temperature=1.0, seed=4, max_tokens=40,
+                                      structured_outputs=digits))
+    first = run_to_completion(engine)["s"].outputs[0]
+    assert first.finish_reason == "stop"
+    generated = len(engine.get_session("s").token_ids) - 5
+    engine.rewind("s", 2)
+    engine.resume("s", SamplingParams(temperature=1.0, seed=5, max_tokens=40,
+                                      structured_outputs=digits))
+    run_to_completion(engine)
+    tokens = list(engine.get_session("s").token_ids)[5:]
+    text = engine.tokenizer.decode(tokens, skip_special_tokens=True)
+    assert len(tokens) >= generated - 2 and re.fullmatch(r"[0-9]{6}", text), text
+    engine.close("s")
+    assert engine.kv_pool_all_free
+
+
+def test_a_fragment_after_an_unfinished_document_starts_a_new_one(tiny_models):
+    """A segment cut by max_tokens mid-document, then a caller's fragment, then the same
+    constraint: the new segment is a whole document of its own (the old one cannot go on
+    past text it never saw)."""
+    folder, _ = tiny_models["qwen2"]
+    engine = make_engine(folder)
+    engine.add_request("s", prompt_ids(5), session=True)
+    run_to_completion(engine)
+    digits = StructuredOutputsParams(regex=r"[0-9]{6}")
+    engine.resume("s", SamplingParams(temperature=1.0, seed=4, max_tokens=2,
+                                      structured_outputs=digits))
+    assert run_to_completion(engine)["s"].outputs[0].finish_reason == "length"
+    engine.append("s", " next:")
+    before = len(engine.get_session("s").token_ids)
+    engine.resume("s", SamplingParams(temperature=1.0, seed=5, max_tokens=40,
+                                      structured_outputs=digits))
+    run_to_completion(engine)
+    text = engine.tokenizer.decode(list(engine.get_session("s").token_ids)[before:],
+                                   skip_special_tokens=True)
+    assert re.fullmatch(r"[0-9]{6}", text), text
+    engine.close("s")
+    assert engine.kv_pool_all_free
+
+
+def test_rolling_back_past_a_documents_end_lands_where_the_kept_tokens_do(engine):
+    """A matcher that consumed its document's end (the end-of-sequence token a finished
+    segment samples), rolled back by two tokens, allows what a fresh matcher that consumed
+    only the kept tokens allows (llguidance 1.9.1's own rollback from there does not)."""
+    structured = engine.structured
+    digits = StructuredOutputsParams(regex=r"[0-9]{6}")
+    ids = engine.tokenizer.encode("123456", add_special_tokens=False)
+    done = structured.matcher("done", digits)
+    for position, token in enumerate(ids):
+        assert done.consume(token, position)
+    assert done.consume(engine.config.eos_token_ids[0], len(ids)) and done.is_finished
+    done.rollback(2)
+    kept = structured.matcher("kept", digits)
+    for position, token in enumerate(ids[:-1]):
+        kept.consume(token, position)
+    assert not done.is_finished and done.positions == kept.positions
+    assert torch.equal(structured.compute_masks([done]), structured.compute_masks([kept]))
