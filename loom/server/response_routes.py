@@ -48,7 +48,9 @@ async def create_response(body: ResponsesRequest, request: Request,
                 yield _sse(event)
         except APIError as error:  # after the headers: an error event ends the stream
             body = error_body(error.status, error.message, error.param, error.code)["error"]
-            yield _sse({"type": "error", **body, "sequence_number": -1})
+            # OpenAI's error event: code, message and param of the error; its `type` is the
+            # event's ("error"), not the error object's category.
+            yield _sse({**body, "type": "error", "sequence_number": -1})
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
