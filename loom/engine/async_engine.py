@@ -259,15 +259,24 @@ class AsyncLLMEngine:
 
     async def prefill(
         self,
-        request_id: str,
-        fragment: str | Sequence[int],
+        request_id: str | Sequence[int] | None = None,
+        fragment: str | Sequence[int] | None = None,
         sampling_params: SamplingParams | None = None,
         **kwargs: Any,
     ) -> int:
         """Append a fragment to a live request or session (see `LLMEngine.prefill`);
-        `append` is the same call."""
-        fn = self.engine.append if sampling_params is None else self._drained(self.engine.append)
-        return await self._call(fn, request_id, fragment, sampling_params, **kwargs)
+        `prefill(fragment)`, without an id, addresses the one live request (resolved under
+        the lock, when the call runs); `append` is the same call."""
+        if fragment is None:  # prefill(fragment): the one argument is the fragment
+            request_id, fragment = None, request_id
+
+        def run() -> int:
+            rid = self.engine.only_live_request() if request_id is None else request_id
+            fn = self.engine.append if sampling_params is None \
+                else self._drained(self.engine.append)
+            return fn(rid, fragment, sampling_params, **kwargs)
+
+        return await self._call(run)
 
     append = prefill
 

@@ -32,6 +32,16 @@ class LLM:
         """The engine's tokenizer."""
         return self.engine.tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """The engine's tokenizer (vLLM's `LLM.get_tokenizer()`): `encode`, `decode`,
+        `eos_token_ids`, and the chat template's inputs."""
+        return self.engine.tokenizer
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The synchronous engine inside (vLLM's `LLM.llm_engine`)."""
+        return self.engine
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached KV block (see `LLMEngine.reset_prefix_cache`)."""
         return self.engine.reset_prefix_cache()

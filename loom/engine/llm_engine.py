@@ -21,7 +21,7 @@ from loom.engine.config import EngineArgs, EngineConfig
 from loom.engine.engine_core import EngineCore
 from loom.engine.hooks import HookContext, PendingCall, SequenceHook
 from loom.engine.input_processor import InputProcessor
-from loom.engine.outputs import RequestOutput
+from loom.engine.outputs import RequestOutput, fill_decoded_tokens
 from loom.engine.promise_sync import PromiseSyncHook
 from loom.engine.resolve import build_engine_parts
 from loom.engine.session_snapshot import SessionSnapshot
@@ -165,7 +165,12 @@ class LLMEngine:
         outputs = self.core.step()
         if self._persisted is not None:
             self._persisted.flush()
+        fill_decoded_tokens(outputs, self._decode_token)
         return outputs
+
+    def _decode_token(self, token_id: int) -> str:
+        """One token's text (a `Logprob`'s `decoded_token`)."""
+        return self.tokenizer.decode([token_id])
 
     @property
     def last_scheduler_output(self) -> SchedulerOutput | None:
@@ -218,8 +223,8 @@ class LLMEngine:
 
     def prefill(
         self,
-        request_id: str,
-        fragment: str | Sequence[int],
+        request_id: str | Sequence[int] | None = None,
+        fragment: str | Sequence[int] | None = None,
         sampling_params: SamplingParams | None = None,
         *,
         heal: bool = False,
@@ -228,8 +233,32 @@ class LLMEngine:
         it stays paused with new stored logits, or starts a segment with `sampling_params`;
         generating: it goes on after the fragment), or any request of one sequence, which
         goes on generating after it (see `SessionManager.append`). Returns its length.
-        `append` is the same call."""
+        `prefill(fragment)`, without an id, addresses the one live request (the seed's
+        call); `append` is the same call."""
+        if fragment is None:  # prefill(fragment): the one argument is the fragment
+            request_id, fragment = None, request_id
+        if fragment is None:
+            raise InvalidRequestError("prefill needs a fragment (text or token ids)")
+        if request_id is None:
+            request_id = self.only_live_request()
+        elif not isinstance(request_id, str):
+            raise InvalidRequestError(
+                f"prefill(request_id, fragment): request_id must be a str, got {request_id!r}")
         return self.sessions.append(request_id, fragment, sampling_params, heal=heal)
+
+    def only_live_request(self) -> str:
+        """The id of the one live request or session (what `prefill(fragment)` addresses);
+        an `InvalidRequestError` naming them when there are several, or none."""
+        live = self.table.group_ids()
+        if len(live) == 1:
+            return live[0]
+        if not live:
+            raise InvalidRequestError(
+                "prefill(fragment) without a request id needs one live request; none is live")
+        shown = ", ".join(repr(r) for r in live[:10]) + (", ..." if len(live) > 10 else "")
+        raise InvalidRequestError(
+            f"prefill(fragment) without a request id needs one live request; {len(live)} are "
+            f"live ({shown}): call prefill(request_id, fragment)")
 
     append = prefill
 

@@ -1,11 +1,18 @@
-"""Output objects in vLLM's shape: `RequestOutput` holding `CompletionOutput`s."""
+"""Output objects in vLLM's shape: `RequestOutput` holding `CompletionOutput`s, whose
+logprobs are `Logprob`s (floats with vLLM's `.logprob`, `.rank` and `.decoded_token`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-# One position's logprobs: token id -> logprob (the sampled token plus the top-N).
-PositionLogprobs = dict[int, float]
+from loom.sample.logprob import Logprob
+
+__all__ = ["CompletionOutput", "Logprob", "OutputAccumulator", "PositionLogprobs",
+           "RequestOutput", "fill_decoded_tokens"]
+
+# One position's logprobs: token id -> Logprob (the sampled or prompt token plus the top-N).
+PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass
@@ -124,3 +131,28 @@ class OutputAccumulator:
             children=last.children,
             prompt_logprobs=self._prompt_logprobs,
         )
+
+
+def fill_decoded_tokens(outputs: Sequence[RequestOutput], decode: Callable[[int], str]) -> None:
+    """Set `decoded_token` on the outputs' `Logprob`s that have none (children included)."""
+    for out in outputs:
+        _fill_positions(out.prompt_logprobs, decode)
+        for completion in out.outputs:
+            _fill_positions(completion.logprobs, decode)
+        fill_decoded_tokens(out.children, decode)
+
+
+def _fill_positions(positions: Sequence[PositionLogprobs | None] | None,
+                    decode: Callable[[int], str]) -> None:
+    """Newest positions first, stopping at one already decoded: positions are filled in
+    order by the steps that report them, so everything before a filled one is filled too
+    (a cumulative output costs only its new positions)."""
+    for position in reversed(positions or ()):
+        if position is None:  # the prompt's first token has no logprob
+            continue
+        missing = [(token_id, lp) for token_id, lp in position.items()
+                   if isinstance(lp, Logprob) and lp.decoded_token is None]
+        if not missing:
+            return
+        for token_id, lp in missing:
+            lp.decoded_token = decode(token_id)

@@ -154,4 +154,5 @@ class PersistedSessions:
             logger.warning("session %r: its stored snapshot cannot be restored: %s",
                            session_id, error)
             return False
+        self._parked.pop(session_id, None)  # it parked as the store keeps it: no new save
         return True

@@ -297,10 +297,11 @@ class SessionManager:
         )
 
     def restore(self, snapshot: SessionSnapshot, session_id: str | None = None) -> None:
-        """Open a saved session again (under `session_id`, default its own id): paused, its
-        full blocks taken from the prefix cache or the KV store where they are held, the rest
-        computed by the next steps. Refused (nothing opened) when the id is in use or the
-        tokens do not fit this engine (vocabulary, context length)."""
+        """Open a saved session again (under `session_id`, default its own id): PAUSED at
+        once with its stored logits; its full blocks are taken from the prefix cache or the
+        KV store where they are held, the rest computed, when an operation next wakes it.
+        Refused (nothing opened) when the id is in use or the tokens do not fit this engine
+        (vocabulary, context length)."""
         sid = snapshot.session_id if session_id is None else session_id
         self.table.check_new_id(sid)
         self.inputs.check_token_ids(sid, snapshot.token_ids)
@@ -309,11 +310,17 @@ class SessionManager:
         logits = snapshot.logits
         if logits is not None and logits.shape != (self.inputs.vocab_size,):
             logits = None  # another vocabulary's row: the step recomputes the last position
+        logits = None if logits is None else logits.to(self.table.device)
         self.table.restore_session(
             sid, snapshot.token_ids, snapshot.num_prompt_tokens, snapshot.params,
-            pinned=snapshot.pinned, ttl_s=snapshot.ttl_s,
-            logits=None if logits is None else logits.to(self.table.device),
+            pinned=snapshot.pinned, ttl_s=snapshot.ttl_s, logits=logits,
             grammar_positions=snapshot.grammar_positions)
+        if logits is not None:
+            # Paused, as it was saved: like a paused session preempted, it holds no K/V until
+            # its next operation wakes it (its blocks then come from the prefix cache or the
+            # store, the rest is computed), and the stored logits serve resample and resume
+            # now. Without logits its next steps compute them, then it pauses.
+            self.table.pause(self.table.session(sid), logits)
 
     def close(self, request_id: str) -> None:
         """End the session and free everything it holds."""

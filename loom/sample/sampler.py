@@ -34,6 +34,7 @@ from loom.sample.filters import (
     apply_top_k_top_p,
     log_normaliser,
 )
+from loom.sample.logprob import Logprob
 from loom.sample.penalties import (
     apply_logit_bias,
     apply_logits_processors,
@@ -46,11 +47,12 @@ from loom.sampling_params import SamplingParams
 
 @dataclass(frozen=True)
 class SamplerOutput:
-    """Per row: the sampled token, its raw logprob, and the top-N raw logprobs if asked."""
+    """Per row: the sampled token, its raw logprob, and the top-N raw logprobs if asked (a
+    row that reports logprobs gets `Logprob`s with their ranks; the others plain floats)."""
 
     token_ids: list[int]
     logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]] | None]
+    top_logprobs: list[list[tuple[int, Logprob]] | None]
     # Rows whose logits processor raised: row index -> the exception (their token is
     # meaningless; the engine fails those requests and keeps the others).
     row_errors: dict[int, Exception] = field(default_factory=dict)
@@ -115,30 +117,39 @@ def argmax_and_normaliser(raw: Tensor) -> tuple[Tensor | None, Tensor]:
 
 
 def position_logprobs(logits: Tensor, token_ids: Sequence[int], top_n: int
-                      ) -> list[dict[int, float]]:
+                      ) -> list[dict[int, Logprob]]:
     """For each row of raw logits [R, V]: the logprob of `token_ids[r]` and of the `top_n`
-    most likely tokens, {token id: logprob} (prompt logprobs). The same arithmetic as the
-    logprobs `Sampler` reports for a sampled token (the raw logit minus the row's
-    log-sum-exp, both per row whatever the batch), so a token gets the same value whether it
-    was generated or given in a prompt."""
+    most likely tokens, {token id: Logprob} with ranks (prompt logprobs). The same
+    arithmetic as the logprobs `Sampler` reports for a sampled token (the raw logit minus the
+    row's log-sum-exp, both per row whatever the batch), so a token gets the same value
+    whether it was generated or given in a prompt."""
     raw = logits.float()
     _, lse = argmax_and_normaliser(raw)
     rows = len(token_ids)
     ids = torch.tensor(list(token_ids), dtype=torch.long, device=raw.device)
-    parts = [(raw.gather(1, ids.unsqueeze(1)).squeeze(1) - lse).double()]
+    chosen = raw.gather(1, ids.unsqueeze(1))
+    parts = [(chosen.squeeze(1) - lse).double(), _ranks(raw, chosen).double()]
     top_n = min(top_n, raw.shape[1])
     if top_n:
         top = raw.topk(top_n, dim=-1)
         parts += [top.indices.double().flatten(),
                   (top.values - lse.unsqueeze(1)).double().flatten()]
     host = torch.cat(parts).tolist()
+    # host: [logprob per row | rank per row | top ids (row-major) | top logprobs]
+    ids_at, lps_at = 2 * rows, 2 * rows + rows * top_n
     out = []
     for r, token_id in enumerate(token_ids):
-        entry = {int(host[rows + r * top_n + m]): host[rows + rows * top_n + r * top_n + m]
+        entry = {int(host[ids_at + r * top_n + m]): Logprob(host[lps_at + r * top_n + m], m + 1)
                  for m in range(top_n)}
-        entry[token_id] = host[r]
+        entry[token_id] = Logprob(host[r], int(host[rows + r]))
         out.append(entry)
     return out
+
+
+def _ranks(raw: Tensor, chosen: Tensor) -> Tensor:
+    """[R] vLLM's rank of each row's chosen token (`chosen`: its raw logit, [R, 1]): how many
+    tokens of the row are at least as likely (1 = the most likely; exact integer counts)."""
+    return (raw >= chosen).sum(dim=-1)
 
 
 class Sampler:
@@ -161,7 +172,8 @@ class Sampler:
             tokens = argmax  # greedy on untouched logits: no second read
         else:
             tokens = choose_tokens(processed, rows)
-        token_lp = raw.gather(1, tokens.unsqueeze(1)).squeeze(1) - lse
+        chosen = raw.gather(1, tokens.unsqueeze(1))
+        token_lp = chosen.squeeze(1) - lse
         parts = [tokens.double(), token_lp.double()]
         # Top logprobs: one topk of the largest N over the rows that ask for N >= 1.
         top_rows = [i for i, r in enumerate(rows) if r.params.logprobs]
@@ -172,12 +184,19 @@ class Sampler:
             top = raw.index_select(0, index).topk(top_n, dim=-1)
             top_lp = top.values - lse.index_select(0, index).unsqueeze(1)
             parts += [top.indices.double().flatten(), top_lp.double().flatten()]
-        # The single device -> host transfer: token ids are exact in float64.
+        # Ranks of the sampled tokens, for the rows that report logprobs (logprobs=0 too).
+        ranked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if ranked:
+            index = torch.tensor(ranked, device=raw.device)
+            parts.append(_ranks(raw.index_select(0, index), chosen.index_select(0, index))
+                         .double())
+        # The single device -> host transfer: token ids and ranks are exact in float64.
+        # host: [tokens | logprobs | top ids | top logprobs | ranks of the `ranked` rows]
         host = torch.cat(parts).tolist()
         batch = len(rows)
         token_ids = [int(t) for t in host[:batch]]
-        token_logprobs = host[batch : 2 * batch]
-        top_logprobs: list[list[tuple[int, float]] | None] = [
+        token_logprobs: list[float] = host[batch : 2 * batch]
+        top_logprobs: list[list[tuple[int, Logprob]] | None] = [
             None if r.params.logprobs is None else [] for r in rows
         ]
         ids_at = 2 * batch
@@ -186,8 +205,12 @@ class Sampler:
             want = min(rows[i].params.logprobs or 0, top_n)
             start = j * top_n
             top_logprobs[i] = [
-                (int(host[ids_at + start + m]), host[lps_at + start + m]) for m in range(want)
+                (int(host[ids_at + start + m]), Logprob(host[lps_at + start + m], m + 1))
+                for m in range(want)
             ]
+        ranks_at = lps_at + len(top_rows) * top_n
+        for j, i in enumerate(ranked):
+            token_logprobs[i] = Logprob(token_logprobs[i], int(host[ranks_at + j]))
         return SamplerOutput(token_ids, token_logprobs, top_logprobs, row_errors)
 
 

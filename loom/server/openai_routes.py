@@ -383,13 +383,26 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     return _sse_response(events())
 
 
+def _model_card(state: ServerState) -> dict[str, Any]:
+    """OpenAI's model object for the served model."""
+    return {"id": state.config.served_model_name, "object": "model", "created": now(),
+            "owned_by": "loom", "max_model_len": state.max_model_len}
+
+
 @router.get("/v1/models")
 async def list_models(request: Request, key: str = Depends(authenticated)) -> Any:
     """The one model this server serves."""
+    return {"object": "list", "data": [_model_card(get_state(request))]}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request,
+                         key: str = Depends(authenticated)) -> Any:
+    """OpenAI's model retrieval: the served model, or a 404 in OpenAI's error shape (an id
+    may hold slashes, as Hugging Face names do)."""
     state = get_state(request)
-    return {"object": "list", "data": [{
-        "id": state.config.served_model_name, "object": "model", "created": now(),
-        "owned_by": "loom", "max_model_len": state.max_model_len}]}
+    state.check_model(model_id)
+    return _model_card(state)
 
 
 @router.post("/tokenize")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from engine.helpers import make_engine, prompt_ids, run_to_completion
+from engine.helpers import make_engine, prompt_ids, run_to_completion, settle_session
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -16,9 +16,10 @@ from loom.server.metrics import ServerMetrics, token_buckets
 
 MODEL = "tiny"
 PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-PREFIX_CACHE = ["loom:prefix_cache_queries", "loom:prefix_cache_hits",
-                "loom:prefix_cache_hit_rate"]
-SPEC = ["loom:spec_decode_num_draft_tokens", "loom:spec_decode_num_accepted_tokens",
+PREFIX_CACHE = ["vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+                "vllm:gpu_prefix_cache_hit_rate", "vllm:gpu_prefix_cache_queries",
+                "vllm:gpu_prefix_cache_hits"]
+SPEC = ["vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
         "loom:spec_decode_acceptance_rate"]
 CONNECTOR = ["loom:kv_connector_loaded_tokens", "loom:kv_connector_gap_tokens",
              "loom:kv_connector_load_failed_tokens", "loom:kv_connector_saved_blocks"]
@@ -37,8 +38,9 @@ def scrape(metrics: ServerMetrics) -> dict[str, dict[tuple, float]]:
 
 
 def value(families, family: str, sample: str | None = None, **labels) -> float:
-    """One sample's value (labels besides model_name given as keywords)."""
-    key = (sample or family, tuple(sorted({"model_name": MODEL, **labels}.items())))
+    """One sample's value (labels besides vLLM's model_name and engine given as keywords)."""
+    key = (sample or family,
+           tuple(sorted({"model_name": MODEL, "engine": "0", **labels}.items())))
     return families[family][key]
 
 
@@ -59,35 +61,36 @@ def test_gauges_read_the_engine_at_scrape_time(tiny_models):
                          hooks=[BlockOnFirstToken("blocked")])
     metrics = ServerMetrics(engine, MODEL)
     m = scrape(metrics)
-    for name in ("running", "waiting", "paused", "blocked"):
-        assert value(m, f"loom:num_requests_{name}") == 0
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "loom:num_requests_paused", "loom:num_requests_blocked"):
+        assert value(m, name) == 0
     assert value(m, "loom:num_kv_blocks_total") == 64
     assert value(m, "loom:num_kv_blocks_used") == 0
-    assert value(m, "loom:kv_cache_usage_perc") == 0.0
+    assert value(m, "vllm:kv_cache_usage_perc") == 0.0
 
     engine.add_request("paused", prompt_ids(9), session=True)  # prefill only, then pauses
     engine.add_request("blocked", prompt_ids(7, 1), PARAMS)
     run_to_completion(engine)  # stops when nothing waits or runs: both are idle
     m = scrape(metrics)
-    assert value(m, "loom:num_requests_running") == value(m, "loom:num_requests_waiting") == 0
+    assert value(m, "vllm:num_requests_running") == value(m, "vllm:num_requests_waiting") == 0
     assert value(m, "loom:num_requests_paused") == 1
     assert value(m, "loom:num_requests_blocked") == 1
     used = 64 - engine.num_free_blocks
     assert used > 0
     assert value(m, "loom:num_kv_blocks_used") == used
-    assert value(m, "loom:kv_cache_usage_perc") == pytest.approx(engine.stats.kv_cache_usage)
+    assert value(m, "vllm:kv_cache_usage_perc") == pytest.approx(engine.stats.kv_cache_usage)
 
     for i in range(4):
         engine.add_request(f"r{i}", prompt_ids(6, 10 + i), PARAMS)
     engine.step()
     m = scrape(metrics)
-    assert value(m, "loom:num_requests_running") == len(engine.scheduler.running) == 2
-    assert value(m, "loom:num_requests_waiting") == len(engine.scheduler.waiting) == 2
+    assert value(m, "vllm:num_requests_running") == len(engine.scheduler.running) == 2
+    assert value(m, "vllm:num_requests_waiting") == len(engine.scheduler.waiting) == 2
     assert value(m, "loom:num_queued_prompt_tokens") == 2 * 6  # the two waiting prompts
     assert value(m, "loom:step_time_seconds", "loom:step_time_seconds_count") == engine.num_steps
     assert value(m, "loom:num_kv_blocks_used") == 64 - engine.num_free_blocks
     assert value(m, "loom:num_engine_steps", "loom:num_engine_steps_total") == engine.num_steps
-    assert value(m, "loom:num_preemptions", "loom:num_preemptions_total") == (
+    assert value(m, "vllm:num_preemptions", "vllm:num_preemptions_total") == (
         engine.stats.num_preemptions
     )
 
@@ -95,89 +98,131 @@ def test_gauges_read_the_engine_at_scrape_time(tiny_models):
     engine.abort_request("blocked")
     engine.close("paused")
     m = scrape(metrics)
-    for name in ("running", "waiting", "paused", "blocked"):
-        assert value(m, f"loom:num_requests_{name}") == 0
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "loom:num_requests_paused", "loom:num_requests_blocked"):
+        assert value(m, name) == 0
     assert value(m, "loom:num_kv_blocks_used") == 0
     assert engine.kv_pool_all_free
 
 
-def test_request_metrics_from_engine_outputs(tiny_models):
+def test_request_metrics_counted_at_the_engine(tiny_models):
+    """Tokens, finished requests and per-request sizes come from the engine's own outputs:
+    no route feeds them (an engine stepped directly is counted)."""
     folder, _ = tiny_models["qwen2"]
     engine = make_engine(folder)
     metrics = ServerMetrics(engine, MODEL)
     prompts = {f"r{i}": prompt_ids(5 + 3 * i, i) for i in range(3)}
-    timers = {}
     for rid, ids in prompts.items():
-        timers[rid] = metrics.start_request()
         engine.add_request(rid, ids, PARAMS)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            completion = out.outputs[0]
-            timers[out.request_id].tokens(len(completion.token_ids))
-            if out.finished:
-                timers[out.request_id].finish(
-                    len(out.prompt_token_ids), len(completion.token_ids), completion.finish_reason
-                )
-    aborted = metrics.start_request()  # a client that left before its first token
-    aborted.finish(4, 0, "abort")
-    aborted.finish(4, 0, "abort")  # idempotent
-    timers["r0"].finish(100, 100, "stop")  # already recorded: ignored
+    engine.add_request("gone", prompt_ids(4, 9), PARAMS)
+    engine.abort_request("gone")  # before its first token: one abort, no tokens
+    run_to_completion(engine)
 
     m = scrape(metrics)
-    prompt_total = sum(len(ids) for ids in prompts.values()) + 4
-    assert value(m, "loom:prompt_tokens", "loom:prompt_tokens_total") == prompt_total
-    assert value(m, "loom:generation_tokens", "loom:generation_tokens_total") == 3 * 5
-    success = "loom:request_success"
+    prompt_total = sum(len(ids) for ids in prompts.values())
+    assert value(m, "vllm:prompt_tokens", "vllm:prompt_tokens_total") == prompt_total
+    assert value(m, "vllm:generation_tokens", "vllm:generation_tokens_total") == 3 * 5
+    success = "vllm:request_success"
     assert value(m, success, success + "_total", finished_reason="length") == 3
     assert value(m, success, success + "_total", finished_reason="abort") == 1
     assert value(m, success, success + "_total", finished_reason="stop") == 0  # from start
+    assert value(m, success, success + "_total", finished_reason="error") == 0
 
     def count(name: str) -> float:
         return value(m, name, name + "_count")
 
-    assert count("loom:time_to_first_token_seconds") == 3  # the aborted one had none
-    assert count("loom:time_per_output_token_seconds") == 3
-    assert count("loom:e2e_request_latency_seconds") == 4
-    assert count("loom:request_prompt_tokens") == 4
-    assert count("loom:request_generation_tokens") == 4
-    gen = "loom:request_generation_tokens"
+    assert count("vllm:inter_token_latency_seconds") == 3 * 4  # once per later token's step
+    assert count("vllm:request_time_per_output_token_seconds") == 3
+    assert count("vllm:request_decode_time_seconds") == 3
+    assert count("vllm:request_prompt_tokens") == 3
+    gen = "vllm:request_generation_tokens"
     assert value(m, gen, gen + "_sum") == 15
-    assert value(m, gen, gen + "_bucket", le="5.0") == 4
-    assert value(m, gen, gen + "_bucket", le="2.0") == 1  # the aborted request's 0 tokens
+    assert value(m, gen, gen + "_bucket", le="5.0") == 3
+    assert value(m, gen, gen + "_bucket", le="2.0") == 0
+    # Only a route knows when a request arrived: without one, no TTFT nor end-to-end.
+    assert count("vllm:time_to_first_token_seconds") == 0
+    assert count("vllm:e2e_request_latency_seconds") == 0
 
 
-def test_timer_latencies_with_a_fake_clock(tiny_models):
+def test_latencies_with_a_fake_clock(tiny_models):
     folder, _ = tiny_models["llama"]
     now = [10.0]
-    metrics = ServerMetrics(make_engine(folder), MODEL, clock=lambda: now[0])
+    engine = make_engine(folder)
+    metrics = ServerMetrics(engine, MODEL, clock=lambda: now[0])
     timer = metrics.start_request()
-    now[0] = 10.5
-    timer.tokens(0)  # nothing yet: no first token
     now[0] = 11.0
-    timer.tokens(1)  # TTFT 1.0
+    timer.first_token()  # TTFT 1.0
     now[0] = 12.0
     timer.first_token()  # idempotent: TTFT stays 1.0
-    timer.tokens(3)
     now[0] = 13.0
-    timer.tokens(5)
-    timer.finish(prompt_tokens=7, finish_reason="stop")  # generation tokens default to 5
+    timer.finish(prompt_tokens=7, finish_reason="stop")  # e2e 3.0
+    timer.finish(7, 5, "stop")  # once
     single = metrics.start_request()
-    single.tokens(1)
-    single.finish(3, 1, None)  # one token: no TPOT; no reason: "unknown"
+    single.first_token()
+    single.finish(3, 1, None)  # TTFT 0.0, e2e 0.0
+
+    engine.add_request("r", prompt_ids(6), PARAMS)  # 5 tokens, one a second
+    while engine.has_unfinished_requests():
+        engine.step()
+        now[0] += 1.0
 
     m = scrape(metrics)
-    ttft, tpot = "loom:time_to_first_token_seconds", "loom:time_per_output_token_seconds"
-    e2e = "loom:e2e_request_latency_seconds"
+    ttft, e2e = "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"
     assert value(m, ttft, ttft + "_sum") == pytest.approx(1.0)
     assert value(m, ttft, ttft + "_bucket", le="1.0") == 2  # 1.0 and the single one's 0.0
     assert value(m, ttft, ttft + "_bucket", le="0.75") == 1
-    assert value(m, tpot, tpot + "_count") == 1
-    assert value(m, tpot, tpot + "_sum") == pytest.approx((13.0 - 11.0) / 4)
+    assert value(m, e2e, e2e + "_count") == 2
     assert value(m, e2e, e2e + "_sum") == pytest.approx(3.0)
-    assert value(m, "loom:generation_tokens", "loom:generation_tokens_total") == 6
-    success = "loom:request_success"
-    assert value(m, success, success + "_total", finished_reason="unknown") == 1
-    assert value(m, success, success + "_total", finished_reason="stop") == 1
+    itl, tpot = "vllm:inter_token_latency_seconds", "vllm:request_time_per_output_token_seconds"
+    assert value(m, itl, itl + "_count") == 4
+    assert value(m, itl, itl + "_sum") == pytest.approx(4.0)
+    assert value(m, itl, itl + "_bucket", le="0.75") == 0
+    assert value(m, itl, itl + "_bucket", le="1.0") == 4
+    assert value(m, tpot, tpot + "_sum") == pytest.approx(1.0)
+    decode = "vllm:request_decode_time_seconds"
+    assert value(m, decode, decode + "_sum") == pytest.approx(4.0)
+    # The timers' arguments are not counted again: the engine counted its one request.
+    assert value(m, "vllm:generation_tokens", "vllm:generation_tokens_total") == 5
+    success = "vllm:request_success"
+    assert value(m, success, success + "_total", finished_reason="length") == 1
+    assert value(m, success, success + "_total", finished_reason="stop") == 0
+
+
+def test_sessions_and_their_segments_are_counted(tiny_models):
+    """A session's segments are requests of their own: each counts its tokens, its context
+    as prompt, and its reason; a segment under way when the session closes is an abort;
+    a resume before the session parked still ends the segment before it."""
+    folder, _ = tiny_models["llama"]
+    engine = make_engine(folder)
+    metrics = ServerMetrics(engine, MODEL)
+    engine.add_request("s", prompt_ids(8), session=True)  # prefill only: nothing generated
+    settle_session(engine, "s")
+    engine.resume("s", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    settle_session(engine, "s")  # 3 tokens, then parks
+    engine.append("s", prompt_ids(2, 5), SamplingParams(temperature=0.0, max_tokens=4,
+                                                        ignore_eos=True))
+    while engine.get_session("s").generating:
+        engine.step()
+    # The segment ended; resumed before the step that parks the session.
+    assert engine.get_session("s").status != "PAUSED"
+    engine.resume("s", SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    engine.step()
+    third = len(engine.get_session("s").token_ids) - (8 + 3 + 2 + 4)
+    assert third >= 1
+    engine.close("s")  # mid-segment: an abort
+
+    m = scrape(metrics)
+    success = "vllm:request_success"
+    assert value(m, success, success + "_total", finished_reason="length") == 2
+    assert value(m, success, success + "_total", finished_reason="abort") == 1
+    assert value(m, "vllm:generation_tokens", "vllm:generation_tokens_total") == 3 + 4 + third
+    gen = "vllm:request_generation_tokens"
+    assert value(m, gen, gen + "_count") == 3
+    assert value(m, gen, gen + "_sum") == 3 + 4 + third
+    # Each segment's prompt is the session's context before its first token.
+    assert value(m, "vllm:prompt_tokens", "vllm:prompt_tokens_total") == (
+        8 + (8 + 3 + 2) + (8 + 3 + 2 + 4))
+    assert engine.kv_pool_all_free
 
 
 @pytest.mark.parametrize("enabled", [False, True])
@@ -205,7 +250,7 @@ def test_spec_decode_and_connector_metrics_only_when_configured(tiny_models, tmp
     folder, _ = tiny_models["llama"]
     plain = scrape(ServerMetrics(make_engine(folder), MODEL))
     assert not set(SPEC + CONNECTOR) & set(plain)
-    assert "loom:num_requests_running" in plain
+    assert "vllm:num_requests_running" in plain
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
     engine = make_engine(folder, speculative_config=spec)
@@ -242,10 +287,19 @@ def test_two_servers_in_one_process_do_not_collide(tiny_models):
     engine = make_engine(folder)
     first = ServerMetrics(engine, MODEL)
     second = ServerMetrics(engine, MODEL)  # same names, same labels: separate registries
-    first.start_request().finish(3, 2, "stop")
-    assert value(scrape(first), "loom:prompt_tokens", "loom:prompt_tokens_total") == 3
-    assert value(scrape(second), "loom:prompt_tokens", "loom:prompt_tokens_total") == 0
-    assert not any(m.name.startswith("loom:") for m in REGISTRY.collect())
+    first.start_request().finish()
+    e2e = "vllm:e2e_request_latency_seconds"
+    assert value(scrape(first), e2e, e2e + "_count") == 1
+    assert value(scrape(second), e2e, e2e + "_count") == 0
+    assert not any(m.name.startswith(("loom:", "vllm:")) for m in REGISTRY.collect())
+    # A server's observer leaves the engine with it (an engine outlives its servers).
+    hooks = len(engine.hooks)
+    second.close()
+    assert len(engine.hooks) == hooks - 1
+    del first
+    import gc
+    gc.collect()
+    assert len(engine.hooks) == hooks - 2
 
 
 def test_token_buckets():
@@ -273,7 +327,7 @@ def test_scrapes_while_a_thread_steps_the_engine(tiny_models):
     scrapes = 0
     while not done.is_set() or scrapes == 0:
         m = scrape(metrics)
-        assert 0.0 <= value(m, "loom:kv_cache_usage_perc") <= 1.0
+        assert 0.0 <= value(m, "vllm:kv_cache_usage_perc") <= 1.0
         scrapes += 1
     thread.join()
     m = scrape(metrics)
