@@ -1,6 +1,8 @@
-"""What `/openapi.json` says each route answers: its 200 body (a schema per route, and the
-event stream where a route streams), its error statuses with OpenAI's error body, and no
-422 (a malformed body is a 400 naming the field).
+"""What `/openapi.json` says each route takes and answers: request bodies with the rules the
+server checks beyond each field's type (exactly one of two fields, limits of the served
+model and the flags), its 200 body (a schema per route, and the event stream where a route
+streams), its error statuses with OpenAI's error body, and no 422 (a malformed body is a 400
+naming the field).
 
 The response models below document; the routes build their bodies as dicts and nothing
 validates them at run time (the schema-driven test checks real answers against these
@@ -10,10 +12,14 @@ here (OpenAI's shapes grow), so a client generated from the schema reads every a
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Literal
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict
+
+from loom.server import protocol
+from loom.server.protocol import LIMIT
 
 
 class _Body(BaseModel):
@@ -28,8 +34,9 @@ class Usage(_Body):
 
 class CompletionLogprobs(_Body):
     tokens: list[str]
+    # A logprob of -inf (a token a constraint forbids) is null in JSON.
     token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
+    top_logprobs: list[dict[str, float | None] | None]
     text_offset: list[int]
 
 
@@ -178,7 +185,7 @@ class SessionAppended(_Body):
 class Sample(_Body):
     token_id: int
     text: str
-    logprob: float
+    logprob: float | None  # null: -inf
 
 
 class SessionSamples(_Body):
@@ -256,10 +263,166 @@ _ERRORS_BY_PREFIX = {
                       "409": "the response is still in progress"},
 }
 _ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
-    "type": "object", "required": ["message", "type"],
+    "type": "object", "required": ["message", "type", "param", "code"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                    "param": {"type": ["string", "null"]},
-                   "code": {"type": ["string", "integer", "null"]}}}}}
+                   "code": {"type": "string"}}}}}
+
+
+# ---- request bodies: what the server checks beyond each field's type ----------------------
+
+
+def _given(field: str) -> dict[str, Any]:
+    """The field is present and not null."""
+    return {"required": [field], "properties": {field: {"not": {"type": "null"}}}}
+
+
+def _exactly_one(first: str, second: str) -> dict[str, Any]:
+    """Exactly one of two fields is given (null counts as not given)."""
+    return {"oneOf": [_given(first), _given(second)]}
+
+
+def _unless_empty(field: str, then: dict[str, Any]) -> dict[str, Any]:
+    """`then` holds unless the field (a list) is missing, null or empty."""
+    return {"anyOf": [{"properties": {field: {"anyOf": [
+        {"type": "null"}, {"type": "array", "maxItems": 0}]}}}, then]}
+
+
+def _null_or(schema: dict[str, Any]) -> dict[str, Any]:
+    """Null, or what `schema` allows."""
+    return {"anyOf": [{"type": "null"}, schema]}
+
+
+# A forcing or "auto" tool_choice needs at least one tool (tools.plan_tools).
+_TOOL_CHOICE_NEEDS_TOOLS = {"anyOf": [
+    {"properties": {"tool_choice": _null_or({"const": "none"})}},
+    {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}]}
+_UNFORCED = {"properties": {"tool_choice": _null_or({"enum": ["none", "auto"]})}}
+_TEXT_FORMAT = _null_or({"properties": {"type": {"const": "text"}}})
+# One constraint at most: response_format or structured_outputs, or a forced tool call
+# (constraints.requested_constraint, tools.plan_tools).
+_ONE_CONSTRAINT = [
+    {"anyOf": [{"properties": {"structured_outputs": {"type": "null"}}},
+               {"properties": {"response_format": _TEXT_FORMAT}}]},
+    {"anyOf": [_UNFORCED, {"properties": {"structured_outputs": {"type": "null"},
+                                          "response_format": _TEXT_FORMAT}}]}]
+# Tools are rendered with messages, never with a prompt (ServerState.prompt_or_messages).
+_TOOLS_NEED_MESSAGES = _unless_empty("tools", _given("messages"))
+# A session generates one sequence (SessionService.segment).
+_ONE_SEQUENCE = {"properties": {"n": {"maximum": 1}}}
+
+# Responses' input items as the response service reads them (response_service.input_messages).
+_TEXT_PARTS = {"type": "array", "items": {
+    "type": "object", "required": ["type", "text"],
+    "properties": {"type": {"enum": ["input_text", "output_text", "text"]},
+                   "text": {"type": "string"}}}}
+_RESPONSE_CONTENT = {"anyOf": [{"type": "string"}, _TEXT_PARTS]}
+_RESPONSE_INPUT_ITEM = {"type": "object", "oneOf": [
+    {"required": ["role", "content"], "properties": {
+        "type": {"const": "message"},
+        "role": {"enum": ["user", "system", "developer", "assistant"]},
+        "content": _RESPONSE_CONTENT}},
+    {"required": ["type", "call_id", "name", "arguments"], "properties": {
+        "type": {"const": "function_call"}, "call_id": {"type": "string"},
+        "name": {"type": "string"}, "arguments": {"type": "string"}}},
+    {"required": ["type", "call_id", "output"], "properties": {
+        "type": {"const": "function_call_output"}, "call_id": {"type": "string"},
+        "output": _RESPONSE_CONTENT}}]}
+
+# Rules each request body's schema adds (in `allOf`) to its fields' own.
+REQUEST_RULES: dict[type[BaseModel], list[dict[str, Any]]] = {
+    protocol.CompletionRequest: [*_ONE_CONSTRAINT, {"anyOf": [  # 0: scores an echoed prompt
+        {"properties": {"max_tokens": {"not": {"const": 0}}}},
+        {"required": ["echo"], "properties": {"echo": {"const": True}}}]}],
+    protocol.ChatCompletionRequest: [_TOOL_CHOICE_NEEDS_TOOLS, *_ONE_CONSTRAINT],
+    protocol.TokenizeRequest: [_exactly_one("prompt", "messages"), _TOOLS_NEED_MESSAGES],
+    protocol.SessionCreateRequest: [_exactly_one("prompt", "messages"), _TOOLS_NEED_MESSAGES],
+    protocol.SessionGenerateRequest: [_TOOL_CHOICE_NEEDS_TOOLS, *_ONE_CONSTRAINT,
+                                      _ONE_SEQUENCE],
+    protocol.SessionAppendRequest: [
+        _TOOL_CHOICE_NEEDS_TOOLS, *_ONE_CONSTRAINT, _ONE_SEQUENCE,
+        _exactly_one("text", "token_ids"),
+        {"anyOf": [{"properties": {"heal": {"const": False}}}, _given("text")]}],  # heals text
+    # A resample draws one token: min_tokens above 1 cannot be met.
+    protocol.SessionResampleRequest: [{"properties": {"min_tokens": {"maximum": 1}}}],
+    protocol.ResponsesRequest: [
+        _TOOL_CHOICE_NEEDS_TOOLS,
+        {"anyOf": [_UNFORCED, {"properties": {"text": _null_or(
+            {"properties": {"format": _TEXT_FORMAT}})}}]},
+        {"properties": {"input": {"anyOf": [
+            {"type": "string"}, {"type": "array", "minItems": 1,
+                                 "items": _RESPONSE_INPUT_ITEM}]}}}],
+    # json_schema needs its schema (constraints.requested_constraint, text_constraint).
+    protocol.ResponseFormat: [{"anyOf": [
+        {"properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"required": ["json_schema"], "properties": {"json_schema": {
+            "type": "object", "required": ["schema"],
+            "properties": {"schema": {"type": "object"}}}}}]}],
+    protocol.ResponseTextFormat: [{"anyOf": [
+        {"properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"required": ["schema"], "properties": {"schema": {"type": "object"}}}]}],
+    # Exactly one constraint (StructuredOutputsParams).
+    protocol.StructuredOutputsField: [{"oneOf": [
+        _given("json"), _given("regex"), _given("grammar"), _given("choice"),
+        {"required": ["json_object"], "properties": {"json_object": {"const": True}}}]}],
+}
+
+
+def _at_most(limit: int) -> str:
+    """A regex of the decimal numbers 0..limit (leading zeros allowed, as `int` reads them):
+    fewer digits than `limit`, or as many and below it from some digit on, or `limit`."""
+    digits = str(limit)
+    options = [f"[0-9]{{1,{len(digits) - 1}}}"] if len(digits) > 1 else []
+    for i, digit in enumerate(digits):
+        if digit != "0":
+            rest = len(digits) - i - 1
+            options.append(f"{digits[:i]}[0-{int(digit) - 1}]" + (f"[0-9]{{{rest}}}" if rest
+                                                                   else ""))
+    options.append(digits)
+    return f"^\\s*0*({'|'.join(options)})\\s*$"
+
+
+def _limits(state: Any) -> dict[str, dict[str, Any]]:
+    """What each kind of `protocol.LIMIT` stands for on this server."""
+    max_tokens = state.max_model_len - 1  # a prompt has a token at least
+    if state.config.max_tokens_cap is not None:
+        max_tokens = min(max_tokens, state.config.max_tokens_cap)
+    last_id = state.engine.inputs.vocab_size - 1
+    return {"token_id": {"maximum": last_id},
+            "token_id_key": {"pattern": _at_most(last_id)},
+            "max_tokens": {"maximum": max_tokens},
+            "context": {"maximum": state.max_model_len - 1},
+            "model": {"enum": [state.config.served_model_name]}}
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _fill_limits(node: Any, limits: dict[str, dict[str, Any]]) -> None:
+    """Replace every `protocol.LIMIT` mark under `node` by the limit it names, and write an
+    integer's bounds as integers (pydantic writes floats, which generators round: 2**63)."""
+    if isinstance(node, dict):
+        kind = node.pop(LIMIT, None)
+        if kind is not None:
+            node.update(limits[kind])
+        if node.get("type") == "integer":
+            for bound in _BOUNDS:
+                if isinstance(node.get(bound), float) and node[bound].is_integer():
+                    node[bound] = int(node[bound])
+        for child in node.values():
+            _fill_limits(child, limits)
+    elif isinstance(node, list):
+        for child in node:
+            _fill_limits(child, limits)
+
+
+def _document_requests(schemas: dict[str, Any], state: Any) -> None:
+    """Add REQUEST_RULES and this server's limits to the request bodies' schemas."""
+    for model, rules in REQUEST_RULES.items():
+        schema = schemas.get(model.__name__)
+        if schema is not None:
+            schema["allOf"] = [*schema.get("allOf", []), *copy.deepcopy(rules)]
+    _fill_limits(schemas, _limits(state))
 
 
 def _component(schemas: dict[str, Any], model: type[BaseModel]) -> dict[str, str]:
@@ -302,6 +465,7 @@ def document_responses(app: FastAPI) -> None:
             return app.openapi_schema
         schema = build()
         schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        _document_requests(schemas, app.state.loom)
         schemas["Error"] = _ERROR_SCHEMA
         for path, operations in schema.get("paths", {}).items():
             for method, operation in operations.items():

@@ -8,15 +8,30 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_validator
+from pydantic_core import PydanticCustomError
 
 from loom.errors import InvalidSamplingParamsError
 from loom.sampling_params import SamplingParams
 
 NonNegInt = Annotated[int, Field(ge=0)]
+
+# Limits that depend on the served model or the server's flags: the published schema
+# (api_docs.py) fills them in where a field's schema carries this key, with its kind
+# ("token_id", "token_id_key", "max_tokens", "context": tokens of a session, "model").
+LIMIT = "x-loom-limit"
+# A token id: below the vocabulary size (the engine's input processor checks it).
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={LIMIT: "token_id"})]
+# A number of tokens to generate: at most --max-tokens-cap and the context less a token.
+MaxTokens = Annotated[int, Field(ge=1, json_schema_extra={LIMIT: "max_tokens"})]
+# A model name: the one this server serves (another is a 404).
+ModelName = Annotated[str, Field(json_schema_extra={LIMIT: "model"})]
+# A token id as a JSON object's key (logit_bias): digits naming an id below the vocabulary.
+_TOKEN_ID_KEY = {"type": "string", "pattern": r"^\s*[0-9]+\s*$", LIMIT: "token_id_key"}
 
 logger = logging.getLogger("loom.server")
 
@@ -46,9 +61,57 @@ def without_ignored_fields(data: Any, ignorable: frozenset[str],
 
 
 class StrictModel(BaseModel):
-    """A request body: unknown fields are errors."""
+    """A request body or a part of one: unknown fields are errors."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+# A UTF-16 surrogate code point: JSON's `\ud800` escapes parse to one when unpaired (a pair
+# parses to the character it encodes), and no UTF-8 text, tokenizer or answer can carry it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _shown(key: Any) -> str:
+    return str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def unpaired_surrogate(value: Any) -> str | None:
+    """The path (`messages.0.content`) of the first string in parsed JSON, an object's key
+    or a value, that holds an unpaired surrogate; None when there is none."""
+    stack: list[tuple[Any, str]] = [(value, "")]  # iterative: any depth of nesting
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return path
+        elif isinstance(item, dict):
+            children = []
+            for key, child in item.items():
+                where = f"{path}.{_shown(key)}" if path else _shown(key)
+                if isinstance(key, str) and _SURROGATE.search(key):
+                    return where
+                children.append((child, where))
+            stack.extend(reversed(children))  # popped in document order
+        elif isinstance(item, list | tuple):
+            stack.extend(reversed([(child, f"{path}.{i}" if path else str(i))
+                                   for i, child in enumerate(item)]))
+    return None
+
+
+class RequestBody(StrictModel):
+    """A whole request body (a route's, a WebSocket message's): every string in it, at any
+    depth, is checked once here for text no UTF-8 can carry, a 400 naming the field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unpaired_surrogates(cls, data: Any) -> Any:
+        """Refuse a body with an unpaired surrogate anywhere (errors.py names the field)."""
+        field = unpaired_surrogate(data)
+        if field is not None:
+            raise PydanticCustomError("unpaired_surrogate",
+                                      "{field} holds an unpaired UTF-16 surrogate",
+                                      {"field": field})
+        return data
 
 
 class StreamOptions(StrictModel):
@@ -60,24 +123,29 @@ class StreamOptions(StrictModel):
 class SamplingFields(StrictModel):
     """Sampling parameters shared by every generating endpoint (OpenAI names, vLLM extras)."""
 
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: MaxTokens | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63 - 1024)
     n: int = Field(default=1, ge=1, le=16)
-    stop: str | list[str] | None = None
+    # Stop strings must not be empty (SamplingParams says so, naming stop).
+    stop: Annotated[str | list[str] | None, WithJsonSchema({"anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}}, {"type": "null"}]})
+    ] = None
     stop_token_ids: list[NonNegInt] | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, ge=0.01, le=100.0)
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, json_schema_extra={LIMIT: "max_tokens"})
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # OpenAI's map of token id (a JSON object's string key) to a bias in [-100, 100].
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        default=None, json_schema_extra={"propertyNames": _TOKEN_ID_KEY})
     user: str | None = None
     # vLLM's scheduling priority (lower first among waiting work).
     priority: int = 0
@@ -119,7 +187,7 @@ class SamplingFields(StrictModel):
             return None
         bias: dict[int, float] = {}
         for key, value in self.logit_bias.items():
-            if not key.strip().isdigit():
+            if not (key.strip().isascii() and key.strip().isdigit()):
                 raise InvalidSamplingParamsError(
                     f"invalid sampling parameter logit_bias={self.logit_bias!r}: key {key!r} "
                     "is not a token id")
@@ -152,7 +220,7 @@ class StructuredOutputsField(StrictModel):
     json_object: bool | None = None
     regex: str | None = None
     grammar: str | None = None
-    choice: list[str] | None = None
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
 
 
 class ConstraintFields(StrictModel):
@@ -178,10 +246,14 @@ class Tool(StrictModel):
     function: FunctionDefinition
 
 
+# A function's name (a named tool_choice that matches none is refused as naming no tool).
+_FUNCTION_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+
+
 class FunctionName(StrictModel):
     """The function a named `tool_choice` forces."""
 
-    name: str
+    name: str = Field(json_schema_extra={"pattern": _FUNCTION_NAME})
 
 
 class NamedToolChoice(StrictModel):
@@ -202,16 +274,26 @@ class ToolFields(StrictModel):
     parallel_tool_calls: bool = True
 
 
-Prompt = Annotated[str, Field(min_length=1)] | list[NonNegInt] | list[str] | list[list[NonNegInt]]
+_TOKEN_IDS = {"type": "array", "minItems": 1,
+               "items": {"type": "integer", "minimum": 0, LIMIT: "token_id"}}
+# A prompt: text, token ids, or a batch of either; the route refuses an empty one (naming
+# `prompt`), which the schema says, not the union (whose errors would name every member).
+Prompt = Annotated[
+    Annotated[str, Field(min_length=1)] | list[TokenId] | list[str] | list[list[TokenId]],
+    WithJsonSchema({"anyOf": [
+        {"type": "string", "minLength": 1}, _TOKEN_IDS,
+        {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+        {"type": "array", "minItems": 1, "items": _TOKEN_IDS}]}),
+]
 
 
-class CompletionRequest(SamplingFields, ConstraintFields):
+class CompletionRequest(SamplingFields, ConstraintFields, RequestBody):
     """`POST /v1/completions`. `max_tokens: 0` with `echo` scores the prompt alone (with
     `logprobs`: what evaluation harnesses send); `prompt_logprobs` is vLLM's extra."""
 
-    model: str
+    model: ModelName
     prompt: Prompt
-    max_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: Annotated[int, Field(ge=0, json_schema_extra={LIMIT: "max_tokens"})] | None = None
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -286,12 +368,12 @@ def _json_object_or_text(text: str) -> Any:
     return value if isinstance(value, dict) else text
 
 
-class ChatCompletionRequest(SamplingFields, ConstraintFields, ToolFields):
+class ChatCompletionRequest(SamplingFields, ConstraintFields, ToolFields, RequestBody):
     """`POST /v1/chat/completions` (`prompt_logprobs`: vLLM's extra)."""
 
-    model: str
+    model: ModelName
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -302,29 +384,30 @@ class ChatCompletionRequest(SamplingFields, ConstraintFields, ToolFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(StrictModel):
+class TokenizeRequest(RequestBody):
     """`POST /tokenize`: text, or messages through the chat template."""
 
-    model: str | None = None
+    model: ModelName | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     tools: list[Tool] | None = None
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(StrictModel):
+class DetokenizeRequest(RequestBody):
     """`POST /detokenize`."""
 
-    model: str | None = None
-    tokens: list[NonNegInt]
+    model: ModelName | None = None
+    tokens: list[TokenId]
 
 
-class SessionCreateRequest(StrictModel):
+class SessionCreateRequest(RequestBody):
     """`POST /v1/sessions`: a live session over a prompt (or a conversation)."""
 
-    model: str | None = None
-    prompt: Annotated[str, Field(min_length=1)] | list[NonNegInt] | None = None
-    messages: list[ChatMessage] | None = None
+    model: ModelName | None = None
+    prompt: Annotated[str | list[TokenId] | None, WithJsonSchema({"anyOf": [
+        {"type": "string", "minLength": 1}, _TOKEN_IDS, {"type": "null"}]})] = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     tools: list[Tool] | None = None  # rendered into the prompt with the messages
     # End the messages' prompt with the template's start of an assistant turn, so that the
     # first segment is the assistant's answer (off: the prompt ends after the last message).
@@ -333,7 +416,7 @@ class SessionCreateRequest(StrictModel):
     ttl_s: float | None = Field(default=None, gt=0)
 
 
-class SessionGenerateRequest(SamplingFields, ConstraintFields, ToolFields):
+class SessionGenerateRequest(SamplingFields, ConstraintFields, ToolFields, RequestBody):
     """`POST /v1/sessions/{id}/generate`: one generation segment (n must be 1). `tools`
     here change nothing in the session's text: they name what `tool_choice` may force and
     what the segment's text is parsed for."""
@@ -346,8 +429,8 @@ class SessionAppendRequest(SessionGenerateRequest):
     """`POST /v1/sessions/{id}/append`: a fragment; any sampling parameter given (or
     `stream`) starts a generation segment right after it."""
 
-    text: str | None = None
-    token_ids: list[NonNegInt] | None = None
+    text: Annotated[str, Field(min_length=1)] | None = None
+    token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     heal: bool = False
 
     @property
@@ -357,14 +440,14 @@ class SessionAppendRequest(SessionGenerateRequest):
         return bool(self.model_fields_set & sampling)
 
 
-class SessionResampleRequest(SamplingFields):
+class SessionResampleRequest(SamplingFields, RequestBody):
     """`POST /v1/sessions/{id}/resample`: draw `n` tokens from the stored logits."""
 
 
-class SessionRewindRequest(StrictModel):
+class SessionRewindRequest(RequestBody):
     """`POST /v1/sessions/{id}/rewind`: drop the last tokens."""
 
-    num_tokens: int = Field(ge=1)
+    num_tokens: int = Field(ge=1, json_schema_extra={LIMIT: "context"})
 
 
 # ---- OpenAI's Responses API (`POST /v1/responses`) ----------------------------------------
@@ -415,21 +498,21 @@ class ResponseNamedToolChoice(StrictModel):
     """`tool_choice: {"type": "function", "name": ...}`."""
 
     type: Literal["function"]
-    name: str
+    name: str = Field(json_schema_extra={"pattern": _FUNCTION_NAME})
 
 
-class ResponsesRequest(StrictModel):
+class ResponsesRequest(RequestBody):
     """`POST /v1/responses`. `input` items are checked by the response service (an error
     names the item's field, `input[2].call_id`)."""
 
-    model: str | None = None
+    model: ModelName | None = None
     input: Annotated[str, Field(min_length=1)] | list[dict[str, Any]]
     instructions: str | None = None
     tools: list[ResponseFunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponseNamedToolChoice | None = None
     parallel_tool_calls: bool = True
     text: ResponseText | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: MaxTokens | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63 - 1024)

@@ -16,6 +16,7 @@ HF's `tojson` filter and the globals `raise_exception`, `strftime_now`, `dict`, 
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,10 @@ if TYPE_CHECKING:
     from loom.tokenizer.tokenizer import Tokenizer
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+# A UTF-16 surrogate code point: what JSON's lone `\ud800` escapes parse to. No tokenizer
+# takes text holding one, so it is refused here, naming where it came from.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_NOT_TEXT = "holds an unpaired UTF-16 surrogate, which is not Unicode text"
 
 
 class ChatTemplateError(LoomError):
@@ -153,6 +158,8 @@ def _message_for_template(index: int, message: Any) -> dict[str, Any]:
             f"{where}.content must be a string or a list of text parts, "
             f"got {type(content).__name__}"
         )
+    if _SURROGATE.search(text):
+        raise ChatTemplateError(f"{where}.content {_NOT_TEXT}")
     return {**message, "content": text}
 
 
@@ -298,7 +305,7 @@ class ChatTemplate:
         plain = [_message_for_template(i, m) for i, m in enumerate(messages)]
         variables = {"bos_token": self.bos_token, "eos_token": self.eos_token, **extra}
         try:
-            return self._compiled.render(
+            text = self._compiled.render(
                 messages=plain, add_generation_prompt=add_generation_prompt, **variables
             )
         except _Rejected as e:
@@ -307,6 +314,9 @@ class ChatTemplate:
             raise
         except Exception as e:
             raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
+        if _SURROGATE.search(text):  # from a message's other fields, tools or variables
+            raise ChatTemplateError(f"the rendered prompt {_NOT_TEXT}")
+        return text
 
     def render_ids(
         self,
