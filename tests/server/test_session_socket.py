@@ -121,13 +121,17 @@ def test_a_session_over_one_socket(served):
 
 
 def test_other_keys_cannot_connect_and_leaving_stops_the_segment(served):
+    """A wrong key is refused at the handshake; another key's session is the HTTP API's 404
+    (an error event, then close code 4404: test_session_socket_edges.py)."""
     server, http = served
     engine = server.llm_engine
     sid = open_session(http)
-    for url in (socket_url(server, sid, KEYS[1]), socket_url(server, sid, "wrong"),
-                socket_url(server, "sess-none")):
-        with pytest.raises(websockets.exceptions.InvalidStatus), connect(url):
-            pass
+    with pytest.raises(websockets.exceptions.InvalidStatus), \
+            connect(socket_url(server, sid, "wrong")):
+        pass
+    with connect(socket_url(server, sid, KEYS[1])) as ws:
+        event = json.loads(ws.recv(timeout=60))
+        assert event["type"] == "error" and event["status"] == 404
     with connect(socket_url(server, sid)) as ws:
         ws.send(json.dumps({"type": "generate", "max_tokens": 1000, "ignore_eos": True}))
         json.loads(ws.recv(timeout=300))  # generating
