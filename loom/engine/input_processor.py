@@ -18,6 +18,13 @@ from loom.engine.structured_output import StructuredOutputs
 from loom.errors import InvalidRequestError, PromptTooLongError
 from loom.sampling_params import SamplingParams
 from loom.tokenizer import ChatTemplate, Tokenizer
+from loom.tokenizer.text_checks import NOT_TEXT, has_unpaired_surrogate
+
+
+def _check_text(owner: str, what: str, text: str) -> None:
+    """InvalidRequestError when `text` is not Unicode text a tokenizer can take."""
+    if has_unpaired_surrogate(text):
+        raise InvalidRequestError(f"request {owner!r}: the {what} {NOT_TEXT}")
 
 
 class InputProcessor:
@@ -45,6 +52,7 @@ class InputProcessor:
         """(prompt text or None, token ids): text is tokenised with BOS; ids are checked.
         `owner` names the request in errors."""
         if isinstance(prompt, str):
+            _check_text(owner, "prompt", prompt)
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
             text: str | None = prompt
         else:
@@ -77,6 +85,7 @@ class InputProcessor:
         if isinstance(fragment, str):
             if not fragment:
                 raise InvalidRequestError(f"session {owner!r}: the fragment is empty")
+            _check_text(owner, "fragment", fragment)
             ids = self.tokenizer.encode(fragment, add_special_tokens=False)
         else:
             ids = [int(t) for t in fragment]

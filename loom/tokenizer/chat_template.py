@@ -16,7 +16,6 @@ HF's `tojson` filter and the globals `raise_exception`, `strftime_now`, `dict`, 
 from __future__ import annotations
 
 import json
-import re
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,16 +23,13 @@ from typing import TYPE_CHECKING, Any
 from loom.errors import LoomError
 from loom.tokenizer.packaged_templates import fallback_template
 from loom.tokenizer.packaged_templates import read_json_object as _read_json
+from loom.tokenizer.text_checks import NOT_TEXT, has_unpaired_surrogate
 
 if TYPE_CHECKING:
     # The module, not the package: the package's __init__ exports this module's names.
     from loom.tokenizer.tokenizer import Tokenizer
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-# A UTF-16 surrogate code point: what JSON's lone `\ud800` escapes parse to. No tokenizer
-# takes text holding one, so it is refused here, naming where it came from.
-_SURROGATE = re.compile("[\ud800-\udfff]")
-_NOT_TEXT = "holds an unpaired UTF-16 surrogate, which is not Unicode text"
 
 
 class ChatTemplateError(LoomError):
@@ -158,8 +154,8 @@ def _message_for_template(index: int, message: Any) -> dict[str, Any]:
             f"{where}.content must be a string or a list of text parts, "
             f"got {type(content).__name__}"
         )
-    if _SURROGATE.search(text):
-        raise ChatTemplateError(f"{where}.content {_NOT_TEXT}")
+    if has_unpaired_surrogate(text):
+        raise ChatTemplateError(f"{where}.content {NOT_TEXT}")
     return {**message, "content": text}
 
 
@@ -314,8 +310,8 @@ class ChatTemplate:
             raise
         except Exception as e:
             raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
-        if _SURROGATE.search(text):  # from a message's other fields, tools or variables
-            raise ChatTemplateError(f"the rendered prompt {_NOT_TEXT}")
+        if has_unpaired_surrogate(text):  # from a message's other fields, tools or variables
+            raise ChatTemplateError(f"the rendered prompt {NOT_TEXT}")
         return text
 
     def render_ids(

@@ -83,3 +83,20 @@ def test_a_session_whose_processor_raises_stays_paused_and_usable(tiny_models):
     assert tokens[12:] == _greedy_alone(folder, tokens[:12])[:4]
     engine.close("s")
     assert engine.kv_pool_all_free
+
+
+def test_text_that_is_not_unicode_is_refused_naming_the_request(tiny_models):
+    """A lone surrogate (what JSON's `\\ud800` parses to) in a prompt or a session fragment
+    is an InvalidRequestError naming the request, not the tokenizer's TypeError; the engine
+    serves the next request."""
+    folder, _ = tiny_models["qwen2"]
+    engine = make_engine(folder)
+    with pytest.raises(InvalidRequestError, match=r"'bad'.*prompt.*surrogate"):
+        engine.add_request("bad", "x \ud800 y", SamplingParams(max_tokens=2))
+    engine.add_request("s", [5, 6, 7], session=True)
+    with pytest.raises(InvalidRequestError, match=r"'s'.*fragment.*surrogate"):
+        engine.append("s", "more \udfff")
+    engine.close("s")
+    engine.add_request("ok", "fine text", SamplingParams(max_tokens=2))
+    assert run_to_completion(engine)["ok"].finished
+    assert engine.kv_pool_all_free
