@@ -322,12 +322,14 @@ class LLMEngine:
 
     def restore_session(self, snapshot: SessionSnapshot | bytes | str,
                         session_id: str | None = None) -> str:
-        """Open a saved session again, paused (under `session_id`, default its own id), from
-        a `SessionSnapshot`, its bytes, or (a str) the id of a session the KV store keeps;
-        its full blocks come from the prefix cache or the store, the rest is computed by the
-        next steps. Returns the session's id. Sessions a store keeps are also restored on
-        their first use by id, so this is needed only to open one under another id or from
-        bytes."""
+        """Open a saved session again (under `session_id`, default its own id), from a
+        `SessionSnapshot`, its bytes, or (a str) the id of a session the KV store keeps. A
+        snapshot with its last logits parks PAUSED at once, holding no K/V until an operation
+        next wakes it (its full blocks then come from the prefix cache or the store, the rest
+        is computed); without them (or with another vocabulary's row) the next steps compute
+        its K/V and logits that way, then it pauses. Returns the session's id. Sessions a
+        store keeps are also restored on their first use by id, so this is needed only to
+        open one under another id or from bytes."""
         if isinstance(snapshot, str):
             found = self.session_store.load(snapshot) if self.session_store else None
             if found is None:

@@ -53,6 +53,9 @@ class SequenceState:
     stop_reason: int | str | None = None
     # Whether an output already told the caller that the current segment finished.
     finish_reported: bool = False
+    # When the current segment started (a request was added, a session's segment began), on
+    # the table's clock (`SequenceTable.clock`); set only by `start_segment`.
+    segment_started: float = 0.0
     # Last logits row (float32, [V]) for the end of the computed tokens, kept for sessions;
     # for a plain request, the row at the end of its last appended fragment (the seed's
     # "prefill, then resample"), kept when `keep_prefill_logits` asks for it.
@@ -116,9 +119,10 @@ class SequenceState:
     def generating(self, value: bool) -> None:
         self.request.sample_when_computed = value
 
-    def start_segment(self, params: SamplingParams, device: str) -> None:
-        """Begin a generation segment with these parameters (a fresh seeded generator)."""
+    def start_segment(self, params: SamplingParams, device: str, started: float) -> None:
+        """Begin a generation segment at time `started` with these parameters (fresh seeds)."""
         self.params = params
+        self.segment_started = started
         self.generating = True
         self.segment_token_ids = []
         self.segment_text = ""

@@ -20,6 +20,7 @@ id is remembered with why it ended (`ended_reason`), so late callers get a clear
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -80,6 +81,9 @@ class SequenceTable:
         # Asked for an id this process never saw: True when it restored a session by that id
         # (from a snapshot a KV store kept across a restart), which the lookup then returns.
         self.restore_missing: Callable[[str], bool] | None = None
+        # The engine's clock (seconds): stamps each segment's start (`segment_started`);
+        # whoever measures from those stamps reads this clock.
+        self.clock: Callable[[], float] = time.perf_counter
 
     # ---- lookups ------------------------------------------------------------------------
 
@@ -195,7 +199,7 @@ class SequenceTable:
             seq.generating = False
             return
         seq.request.priority = params.priority
-        seq.start_segment(params, self.device)
+        seq.start_segment(params, self.device, self.clock())
         seq.grammar = self._grammar_for(seq, params)
 
     def _grammar_for(self, seq: SequenceState, params: SamplingParams) -> GrammarMatcher | None:
@@ -319,7 +323,7 @@ class SequenceTable:
             )
         child = self._sequence(request, params, group_id=parent.group_id, parent_id=parent_id,
                                depth=parent.depth + 1)
-        child.start_segment(params, self.device)
+        child.start_segment(params, self.device, self.clock())
         # The child continues its parent's document from the fork.
         child.grammar = parent.grammar.copy() if parent.grammar is not None else None
         if params.seed is not None:
@@ -349,7 +353,7 @@ class SequenceTable:
         params = parent.params
         seq = self._sequence(request, params, group_id=new_id, is_session=True, ttl_s=ttl_s,
                              prompt_ids=tokens)
-        seq.start_segment(params, self.device)
+        seq.start_segment(params, self.device, self.clock())
         self.start_segment(seq, None)  # paused once its tokens are computed
         if parent.grammar is not None:  # the document as far as the copy goes
             seq.grammar = parent.grammar.copy()
@@ -378,7 +382,7 @@ class SequenceTable:
         # The rest as it came: after the prompt, in the output and its text.
         request.append_tokens(tokens[num_prompt_tokens:])
         seq.append_input(tokens[num_prompt_tokens:])
-        seq.start_segment(params, self.device)
+        seq.start_segment(params, self.device, self.clock())
         self.start_segment(seq, None)  # paused once its tokens are computed
         constraint = params.structured_outputs
         if grammar_positions is not None and constraint is not None \

@@ -111,42 +111,6 @@ async def _gathered(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     return gathered.result()
 
 
-class _Timed:
-    """A request's metrics timer fed by its outputs."""
-
-    def __init__(self, state: ServerState) -> None:
-        self.timer = state.metrics.start_request() if state.metrics is not None else None
-
-    def saw(self, out: RequestOutput) -> None:
-        if self.timer is not None and any(o.token_ids for o in out.outputs):
-            self.timer.first_token()
-
-    def done(self, out: RequestOutput | None, generated: int, reason: str | None = None
-             ) -> None:
-        if self.timer is None:
-            return
-        if out is None:
-            self.timer.finish(0, 0, reason or "abort")
-            return
-        finish = reason or next((o.finish_reason for o in out.outputs if o.finish_reason), None)
-        self.timer.finish(len(out.prompt_token_ids), generated, finish)
-
-
-async def _timed_stream(state: ServerState, prompt_ids: list[int], params: Any,
-                        request_id: str) -> AsyncIterator[RequestOutput]:
-    """The request's deltas, timed for the metrics."""
-    timed, last, generated = _Timed(state), None, 0
-    try:
-        async for out in state.stream(prompt_ids, params, request_id):
-            timed.saw(out)
-            last = out
-            generated += sum(len(o.token_ids) for o in out.outputs)
-            yield out
-    finally:
-        finished = last is not None and last.finished
-        timed.done(last if finished else None, generated, None if finished else "abort")
-
-
 def _sse_response(events: AsyncIterator[str]) -> StreamingResponse:
     async def guarded() -> AsyncIterator[str]:
         try:
@@ -184,7 +148,7 @@ async def create_completion(body: CompletionRequest, request: Request,
     prompt_top = body.prompt_logprobs_wanted()
     params = [constrained.with_updates(max_tokens=limit, prompt_logprobs=prompt_top)
               for limit in limits]
-    streams = [_timed_stream(state, ids, p, f"{cid}-{i}")
+    streams = [state.stream(ids, p, f"{cid}-{i}")
                for i, ((_, ids), p) in enumerate(zip(prompts, params, strict=True))]
     decode = state.decode_token
     top_n = body.logprobs or 0
@@ -312,7 +276,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                              constraint, field, tools)
     params = params.with_updates(prompt_logprobs=body.prompt_logprobs)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = _timed_stream(state, ids, params, cid)
+    stream = state.stream(ids, params, cid)
     decode = state.decode_token
     names = tools.names if tools.parses else None  # None: the text is all content
 

@@ -139,40 +139,34 @@ def test_request_metrics_counted_at_the_engine(tiny_models):
     assert value(m, gen, gen + "_sum") == 15
     assert value(m, gen, gen + "_bucket", le="5.0") == 3
     assert value(m, gen, gen + "_bucket", le="2.0") == 0
-    # Only a route knows when a request arrived: without one, no TTFT nor end-to-end.
-    assert count("vllm:time_to_first_token_seconds") == 0
-    assert count("vllm:e2e_request_latency_seconds") == 0
+    # The engine stamps when it accepted each request: TTFT and end-to-end need no route
+    # (the request aborted before its first token has neither).
+    assert count("vllm:time_to_first_token_seconds") == 3
+    assert count("vllm:e2e_request_latency_seconds") == 3
 
 
 def test_latencies_with_a_fake_clock(tiny_models):
+    """TTFT and end-to-end run from when the engine accepted a request (or began a session's
+    segment) on the engine's clock; a session's segment ends with its last token."""
     folder, _ = tiny_models["llama"]
     now = [10.0]
     engine = make_engine(folder)
-    metrics = ServerMetrics(engine, MODEL, clock=lambda: now[0])
-    timer = metrics.start_request()
+    engine.table.clock = lambda: now[0]
+    metrics = ServerMetrics(engine, MODEL)
+    engine.add_request("r", prompt_ids(6), PARAMS)  # accepted at 10
     now[0] = 11.0
-    timer.first_token()  # TTFT 1.0
-    now[0] = 12.0
-    timer.first_token()  # idempotent: TTFT stays 1.0
-    now[0] = 13.0
-    timer.finish(prompt_tokens=7, finish_reason="stop")  # e2e 3.0
-    timer.finish(7, 5, "stop")  # once
-    single = metrics.start_request()
-    single.first_token()
-    single.finish(3, 1, None)  # TTFT 0.0, e2e 0.0
-
-    engine.add_request("r", prompt_ids(6), PARAMS)  # 5 tokens, one a second
-    while engine.has_unfinished_requests():
+    while engine.has_unfinished_requests():  # 5 tokens, one a second from 11: ends at 15
         engine.step()
         now[0] += 1.0
 
     m = scrape(metrics)
     ttft, e2e = "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"
+    assert value(m, ttft, ttft + "_count") == 1
     assert value(m, ttft, ttft + "_sum") == pytest.approx(1.0)
-    assert value(m, ttft, ttft + "_bucket", le="1.0") == 2  # 1.0 and the single one's 0.0
-    assert value(m, ttft, ttft + "_bucket", le="0.75") == 1
-    assert value(m, e2e, e2e + "_count") == 2
-    assert value(m, e2e, e2e + "_sum") == pytest.approx(3.0)
+    assert value(m, ttft, ttft + "_bucket", le="1.0") == 1
+    assert value(m, ttft, ttft + "_bucket", le="0.75") == 0
+    assert value(m, e2e, e2e + "_count") == 1
+    assert value(m, e2e, e2e + "_sum") == pytest.approx(5.0)
     itl, tpot = "vllm:inter_token_latency_seconds", "vllm:request_time_per_output_token_seconds"
     assert value(m, itl, itl + "_count") == 4
     assert value(m, itl, itl + "_sum") == pytest.approx(4.0)
@@ -181,11 +175,29 @@ def test_latencies_with_a_fake_clock(tiny_models):
     assert value(m, tpot, tpot + "_sum") == pytest.approx(1.0)
     decode = "vllm:request_decode_time_seconds"
     assert value(m, decode, decode + "_sum") == pytest.approx(4.0)
-    # The timers' arguments are not counted again: the engine counted its one request.
     assert value(m, "vllm:generation_tokens", "vllm:generation_tokens_total") == 5
     success = "vllm:request_success"
     assert value(m, success, success + "_total", finished_reason="length") == 1
     assert value(m, success, success + "_total", finished_reason="stop") == 0
+
+    # A session: opening it (prefill only) is no segment; an append that starts one at 100
+    # computes its fragment and samples at 102; 3 tokens, the last at 104, then it parks.
+    engine.add_request("s", prompt_ids(8), session=True)
+    settle_session(engine, "s")
+    now[0] = 100.0
+    engine.append("s", prompt_ids(2, 5), SamplingParams(temperature=0.0, max_tokens=3,
+                                                        ignore_eos=True))
+    now[0] = 102.0
+    while engine.get_session("s").status != "PAUSED":
+        engine.step()
+        now[0] += 1.0  # the park's step (after the last token) is not part of the segment
+    m = scrape(metrics)
+    assert value(m, ttft, ttft + "_count") == 2
+    assert value(m, ttft, ttft + "_sum") == pytest.approx(1.0 + 2.0)
+    assert value(m, e2e, e2e + "_count") == 2
+    assert value(m, e2e, e2e + "_sum") == pytest.approx(5.0 + 4.0)
+    engine.close("s")
+    assert engine.kv_pool_all_free
 
 
 def test_sessions_and_their_segments_are_counted(tiny_models):
@@ -286,8 +298,9 @@ def test_two_servers_in_one_process_do_not_collide(tiny_models):
     folder, _ = tiny_models["llama"]
     engine = make_engine(folder)
     first = ServerMetrics(engine, MODEL)
+    engine.add_request("r", prompt_ids(6), PARAMS)
+    run_to_completion(engine)
     second = ServerMetrics(engine, MODEL)  # same names, same labels: separate registries
-    first.start_request().finish()
     e2e = "vllm:e2e_request_latency_seconds"
     assert value(scrape(first), e2e, e2e + "_count") == 1
     assert value(scrape(second), e2e, e2e + "_count") == 0

@@ -102,7 +102,54 @@ def test_every_generation_path_is_counted_under_vllm_names(server, client):
                    for reason in ("stop", "length", "abort", "error"))
     assert finished == 5  # one completion, two responses, two session segments
     assert increase(before, after, "vllm:request_generation_tokens", "_sum") == generated
-    assert increase(before, after, "vllm:time_to_first_token_seconds", "_count") >= 1
+    for latency in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
+        assert increase(before, after, latency, "_count") == 5, latency  # one per segment
+
+
+def test_latencies_counted_once_on_every_path(server, client):
+    """TTFT and end-to-end latency come from the engine: a Responses turn and a session's
+    generation each add one observation, and a chat completion one (not one more from its
+    route)."""
+    engine = server.llm_engine
+    latencies = ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds")
+
+    def settled() -> bool:  # every segment under way has finished or parked
+        load = engine.load
+        return load.num_running == load.num_waiting == 0
+
+    def one_observation_each(call) -> None:
+        before = scrape(client)
+        call()
+        assert wait_until(settled)
+        after = scrape(client)
+        for latency in latencies:
+            assert increase(before, after, latency, "_count") == 1, latency
+            assert increase(before, after, latency, "_sum") >= 0.0
+
+    def chat() -> None:
+        r = client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+
+    def responses_turn() -> None:
+        r = client.post("/v1/responses", json={"model": MODEL, "input": "Name a colour.",
+                                               "max_output_tokens": 3, "temperature": 0})
+        assert r.status_code == 200, r.text
+
+    sid = client.post("/v1/sessions", json={"prompt": "Once upon a time"}).json()["id"]
+    assert wait_until(lambda: engine.get_session(sid).status == "PAUSED")
+
+    def session_generation() -> None:
+        r = client.post(f"/v1/sessions/{sid}/generate",
+                        json={"max_tokens": 3, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+
+    for call in (chat, responses_turn, session_generation):
+        one_observation_each(call)
+    assert client.delete(f"/v1/sessions/{sid}").status_code == 200
+    delete_stored_responses(server)
+    assert wait_until(lambda: engine.kv_pool_all_free)
 
 
 def test_vllm_names_types_and_labels(client):
