@@ -4,7 +4,6 @@ type, `data:` the event), else the final response is the body."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -15,6 +14,7 @@ from loom.server.errors import APIError, error_body
 from loom.server.openai_routes import authenticated, get_state
 from loom.server.protocol import ResponsesRequest
 from loom.server.response_service import ResponseService
+from loom.server.wire import json_text
 
 router = APIRouter(prefix="/v1/responses")
 
@@ -25,7 +25,8 @@ def service(request: Request) -> ResponseService:
 
 
 def _sse(event: dict[str, Any]) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+    """One event as SSE: `event:` its type, `data:` it as strict JSON (-inf as null)."""
+    return f"event: {event['type']}\ndata: {json_text(event)}\n\n"
 
 
 @router.post("")

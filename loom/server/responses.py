@@ -7,12 +7,12 @@ engine holds back the tail a stop string may still cut), then a final chunk with
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from typing import Any
 
 from loom.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from loom.server.wire import json_text
 
 
 def usage(output: RequestOutput) -> dict[str, int]:
@@ -120,8 +120,8 @@ def chat_logprobs(
 
 
 def sse(data: dict[str, Any] | str) -> str:
-    """One Server-Sent Event."""
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    """One Server-Sent Event (a dict as strict JSON: a logprob of -inf is null)."""
+    payload = data if isinstance(data, str) else json_text(data)
     return f"data: {payload}\n\n"
 
 

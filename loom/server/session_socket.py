@@ -38,7 +38,6 @@ from typing import Any
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
-from pydantic_core import to_json
 
 from loom.errors import LoomError
 from loom.server.errors import (
@@ -57,6 +56,7 @@ from loom.server.protocol import (
 )
 from loom.server.protocol import unpaired_surrogate as surrogate_field
 from loom.server.session_service import SegmentRun, SessionService
+from loom.server.wire import json_text
 
 router = APIRouter()
 logger = logging.getLogger("loom.server")
@@ -114,7 +114,7 @@ class _Socket:
     async def send(self, message: dict[str, Any]) -> None:
         """One event as JSON text, as the HTTP API writes it (a logprob of -inf as null)."""
         async with self._send_lock:
-            await self.ws.send_text(to_json(message, inf_nan_mode="null").decode())
+            await self.ws.send_text(json_text(message))
 
     async def receive(self) -> str | None:
         """The next frame's text (None: a binary frame); WebSocketDisconnect once the client
