@@ -66,7 +66,7 @@ _TOOLS_NEED_MESSAGES = _unless_empty("tools", _given("messages"))
 # A session generates one sequence (SessionService.segment).
 _ONE_SEQUENCE = {"properties": {"n": {"maximum": 1}}}
 
-# Responses' input items as the response service reads them (response_service.input_messages).
+# Responses' input items as the response service reads them (response_input.input_messages).
 _TEXT_PARTS = {"type": "array", "items": {
     "type": "object", "required": ["type", "text"],
     "properties": {"type": {"enum": ["input_text", "output_text", "text"]},
@@ -106,7 +106,8 @@ REQUEST_RULES: dict[type[BaseModel], list[dict[str, Any]]] = {
         {"properties": {"input": {"anyOf": [
             {"type": "string"}, {"type": "array", "minItems": 1,
                                  "items": _RESPONSE_INPUT_ITEM}]}}}],
-    # json_schema needs its schema (constraints.requested_constraint, text_constraint).
+    # json_schema needs its schema (constraints.requested_constraint,
+    # response_input.text_constraint).
     ResponseFormat: [{"anyOf": [
         {"properties": {"type": {"enum": ["text", "json_object"]}}},
         {"required": ["json_schema"], "properties": {"json_schema": {

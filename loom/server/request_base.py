@@ -8,12 +8,13 @@ not a silently ignored value.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
+
+from loom.tokenizer.text_checks import has_unpaired_surrogate
 
 NonNegInt = Annotated[int, Field(ge=0)]
 
@@ -53,9 +54,6 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-# A UTF-16 surrogate code point: JSON's `\ud800` escapes parse to one when unpaired (a pair
-# parses to the character it encodes), and no UTF-8 text, tokenizer or answer can carry it.
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _shown(key: Any) -> str:
@@ -69,13 +67,13 @@ def unpaired_surrogate(value: Any) -> str | None:
     while stack:
         item, path = stack.pop()
         if isinstance(item, str):
-            if _SURROGATE.search(item):
+            if has_unpaired_surrogate(item):
                 return path
         elif isinstance(item, dict):
             children = []
             for key, child in item.items():
                 where = f"{path}.{_shown(key)}" if path else _shown(key)
-                if isinstance(key, str) and _SURROGATE.search(key):
+                if isinstance(key, str) and has_unpaired_surrogate(key):
                     return where
                 children.append((child, where))
             stack.extend(reversed(children))  # popped in document order
