@@ -1,15 +1,18 @@
 """Loom: an LLM inference engine whose requests are live sessions."""
 
 from loom.errors import LoomError
+from loom.pooling_params import PoolingParams
 from loom.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "AsyncLLMEngine",
     "CompletionOutput",
+    "EmbeddingRequestOutput",
     "EngineArgs",
     "LLMEngine",
     "LoomError",
+    "PoolingParams",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
@@ -40,6 +43,10 @@ def __getattr__(name: str):
         from loom.engine.promise_sync import SpecialKwargs
 
         return SpecialKwargs
+    if name == "EmbeddingRequestOutput":
+        from loom.engine.pooling import EmbeddingRequestOutput
+
+        return EmbeddingRequestOutput
     if name in ("RequestOutput", "CompletionOutput"):
         from loom.engine import outputs
 

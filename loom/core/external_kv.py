@@ -62,8 +62,8 @@ class ExternalKV:
         size = self.block_size
         if request.num_draft_tokens or start % size or num_table_blocks * size != start:
             return 0
-        if request.wants_prompt_logits and start < request.num_prompt_tokens:
-            return 0  # the prompt's logits are wanted: it is computed, not loaded
+        if request.computes_whole_prompt and start < request.num_prompt_tokens:
+            return 0  # every prompt row is wanted (logits, mean pooling): computed, not loaded
         try:
             num_external, _ = self.connector.get_num_new_matched_tokens(request, start)
         except Exception as error:  # a user's connector: no hit, the request computes

@@ -207,7 +207,7 @@ class KVCacheManager:
         if (
             not self.enable_prefix_caching
             or request.num_draft_tokens
-            or (request.wants_prompt_logits and computed < request.num_prompt_tokens)
+            or (request.computes_whole_prompt and computed < request.num_prompt_tokens)
             or last <= first
             or computed % size
             or len(self._tables.get(request.request_id, ())) != first

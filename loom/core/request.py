@@ -97,6 +97,10 @@ class Request:
     # The logits of every prompt position are wanted (prompt logprobs): the prompt's chunks
     # yield a row per token, and none of it comes from the prefix cache or a KV store.
     wants_prompt_logits: bool = False
+    # A pooling (embedding) request: "last" or "mean" (None: it generates). It samples
+    # nothing: its chunks carry the kind, the runner pools their hidden states, and the
+    # engine finishes it once its prompt is computed.
+    pooling: str | None = None
     # K/V already in the request's blocks above the frontier (loaded from an external store):
     # sorted, disjoint [start, end) ranges. The uncomputed tokens between them are the gaps;
     # the frontier jumps over a ready range when it reaches its start.
@@ -120,6 +124,12 @@ class Request:
     def num_uncomputed_tokens(self) -> int:
         """Tokens whose K/V is not in the cache yet."""
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Every prompt position's forward output is needed (prompt logprobs, mean
+        pooling): none of the prompt comes from the prefix cache or a KV store."""
+        return self.wants_prompt_logits or self.pooling == "mean"
 
     @property
     def is_finished(self) -> bool:

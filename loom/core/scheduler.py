@@ -230,9 +230,10 @@ class Scheduler:
             token_ids=request.token_ids[start:end],
             start_pos=start,
             block_ids=self.kv.block_ids(request.request_id),
-            needs_logits=end == request.num_tokens,
+            needs_logits=end == request.num_tokens and request.pooling is None,
             num_draft_tokens=request.num_draft_tokens,  # a chunk covers all drafts or none
             all_logits=request.wants_prompt_logits and start < request.num_prompt_tokens,
+            pooling=request.pooling,
         )
 
     # ---- the time budget -------------------------------------------------------------

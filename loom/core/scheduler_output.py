@@ -35,6 +35,10 @@ class ScheduledChunk:
     # A prompt chunk of a request that wants prompt logprobs: a logits row for every token
     # (the sampling rows, if any, are still the last `num_sample_logits`).
     all_logits: bool = False
+    # A pooling request's chunk ("last" or "mean"; None: a generating one): no logits, one
+    # pooled row instead (`ModelOutput.pooled`); it pools the last token only when the
+    # chunk ends the request's tokens (`end_pos`).
+    pooling: str | None = None
 
     @property
     def num_sample_logits(self) -> int:

@@ -14,6 +14,7 @@ serve` about 1.4x slower than the same step offline on a 2-core host.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,7 @@ from loom.engine.hooks import PendingCall
 from loom.engine.input_processor import InputProcessor
 from loom.engine.llm_engine import LLMEngine
 from loom.engine.outputs import OutputAccumulator, RequestOutput
+from loom.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput
 from loom.engine.session_snapshot import SessionSnapshot
 from loom.engine.session_store import SessionStore
 from loom.engine.sessions import Sample, SessionView
@@ -37,6 +39,7 @@ from loom.errors import (
     SessionClosedError,
     UnknownRequestError,
 )
+from loom.pooling_params import PoolingParams
 from loom.sampling_params import RequestOutputKind, SamplingParams
 from loom.tokenizer import Tokenizer
 
@@ -418,10 +421,11 @@ class AsyncLLMEngine:
     async def generate(
         self,
         prompt: str | Sequence[int],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | PoolingParams | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """vLLM's streaming API: yields the request's cumulative output after every step."""
+        """vLLM's streaming API: yields the request's cumulative output after every step
+        (with `PoolingParams`, its one `EmbeddingRequestOutput`)."""
         request_id = request_id or f"gen-{next(_ids)}"
         await self.add_request(request_id, prompt, sampling_params)
         try:
@@ -435,6 +439,22 @@ class AsyncLLMEngine:
                 # Shielded: a consumer cancelled twice (a server's disconnect handling) must
                 # not cancel the abort that frees the request's KV.
                 await asyncio.shield(self.abort(request_id))
+
+    async def embed(self, prompt: str | Sequence[int], pooling_params: PoolingParams | None = None,
+                    request_id: str | None = None) -> EmbeddingRequestOutput:
+        """An embedding request's one output (its pooled final hidden state); one that the
+        engine failed has an empty embedding and its `error`. Cancelled, it is aborted."""
+        request_id = request_id or f"embd-{next(_ids)}"
+        outputs = self.generate(prompt, pooling_params or PoolingParams(), request_id)
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                if isinstance(out, EmbeddingRequestOutput):
+                    return out
+                return EmbeddingRequestOutput(  # an error output: the engine failed it
+                    request_id=request_id, outputs=EmbeddingOutput([]),
+                    prompt_token_ids=out.prompt_token_ids, prompt=out.prompt,
+                    error=out.error or "the request failed")
+        raise AssertionError(f"request {request_id!r} ended without an output")
 
     def session(self, prompt: str | Sequence[int], **kwargs: Any) -> Session:
         """`async with engine.session(prompt) as s:` opens a paused session, closes it at exit."""

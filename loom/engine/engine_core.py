@@ -3,6 +3,7 @@
     step():  schedule            Scheduler.schedule()            -> SchedulerOutput
              execute             executor.execute_model(...)     -> ModelOutput (logits)
              update              Scheduler.update_after_step     (frontiers, loads)
+                                 Pooler.take                     (embedding requests)
                                  TokenAppender.sample_and_append (tokens, hooks, stops)
              outputs             OutputProcessor.group_output    -> list[RequestOutput]
 
@@ -28,6 +29,7 @@ from loom.core.step_cost import attention_units
 from loom.engine.hooks import HookContext, SequenceHook
 from loom.engine.output_processor import OutputProcessor
 from loom.engine.outputs import RequestOutput
+from loom.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput, EngineOutput, Pooler
 from loom.engine.sequence import SequenceState
 from loom.engine.sequence_table import SequenceTable
 from loom.engine.speculation import Speculator
@@ -73,6 +75,8 @@ class EngineCore:
         self.appender.early_masks = device != "cpu"
         self.table.on_sequence_finished.append(self.appender.run_hooks_finished)
         self.outputs = OutputProcessor(self.table)
+        self.pooler = Pooler()  # embedding requests' pooled rows so far
+        self.table.on_group_ended.append(lambda group, *_: self.pooler.drop(group))
         self.last_scheduler_output: SchedulerOutput | None = None
         self.num_steps = 0
         self.last_step_ms = 0.0  # wall time of the last step's forward
@@ -86,9 +90,9 @@ class EngineCore:
         """True while a step would do something (paused sessions do not count)."""
         return self.scheduler.has_work() or bool(self.table.changed_groups)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """schedule -> execute -> update -> outputs."""
-        outputs = self._report_changed()
+        outputs: list[EngineOutput] = list(self._report_changed())
         self._propose_drafts()
         sched_out = self.scheduler.schedule()
         self.last_scheduler_output = sched_out
@@ -152,9 +156,12 @@ class EngineCore:
         for request in running:
             self.speculator.propose(self.table[request.request_id], self.table.max_model_len)
 
-    def _update(self, sched_out: SchedulerOutput, result: ModelOutput) -> list[RequestOutput]:
+    def _update(self, sched_out: SchedulerOutput, result: ModelOutput) -> list[EngineOutput]:
         """Store logits, sample the sequences that generate, apply stop checks, build the
         outputs of every request the step touched."""
+        outputs: list[EngineOutput] = []
+        if result.pooled is not None:
+            outputs += self._pool(sched_out, result.pooled)
         logits = result.logits
         touched: dict[str, None] = {}
         to_sample: list[SequenceState] = []
@@ -189,8 +196,31 @@ class EngineCore:
         # A session whose processor or hook raised is paused with its segment ended: the
         # error goes on its output; any other request fails.
         ended = {g: e for g, e in failed.items() if not self.table.is_session_group(g)}
-        outputs = self._outputs_of([g for g in touched if g not in ended], failed)
+        outputs += self._outputs_of([g for g in touched if g not in ended], failed)
         return outputs + self.fail_groups(ended)
+
+    def _pool(self, sched_out: SchedulerOutput, pooled: torch.Tensor
+              ) -> list[EmbeddingRequestOutput]:
+        """Fold the pooling chunks' rows (one each, in chunk order) into their requests; a
+        request whose prompt is now computed gets its embedding and ends (its blocks go
+        back)."""
+        outputs = []
+        rows = iter(pooled.cpu())
+        for chunk in sched_out.chunks:
+            if chunk.pooling is None:
+                continue
+            row = next(rows)
+            seq = self.table.get(chunk.request_id)
+            if seq is None or chunk.request_id not in self.pooler:
+                continue  # ended while the step ran
+            embedding = self.pooler.take(chunk, row, seq.request.num_tokens)
+            if embedding is None:
+                continue
+            outputs.append(EmbeddingRequestOutput(
+                request_id=seq.group_id, outputs=EmbeddingOutput(embedding),
+                prompt_token_ids=list(seq.prompt_ids), prompt=seq.prompt))
+            self.table.end_group(seq.group_id, "finished", RequestStatus.FINISHED_STOPPED)
+        return outputs
 
     @staticmethod
     def _add_prompt_logprobs(seq: SequenceState, chunk: ScheduledChunk,

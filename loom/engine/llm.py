@@ -9,7 +9,9 @@ from typing import Any
 from loom.engine.config import EngineArgs
 from loom.engine.llm_engine import LLMEngine
 from loom.engine.outputs import CompletionOutput, RequestOutput
+from loom.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput, EngineOutput
 from loom.errors import InvalidRequestError, LoomError, PromptTooLongError
+from loom.pooling_params import PoolingParams
 from loom.sampling_params import RequestOutputKind, SamplingParams
 
 # Show a progress bar by default only past this many prompts.
@@ -71,7 +73,7 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling params for {len(prompt_list)} prompts"
                 )
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, EngineOutput] = {}
         order: list[str] = []
         for prompt, params in zip(prompt_list, params_list, strict=True):
             request_id = f"llm-{next(self._ids)}"
@@ -84,9 +86,39 @@ class LLM:
                 results[request_id] = _error_output(request_id, prompt, exc)
         show = use_tqdm if use_tqdm is not None else len(prompt_list) > _TQDM_MIN_PROMPTS
         self._run(results, len(order), show)
-        return [results[rid] for rid in order]
+        return [results[rid] for rid in order]  # type: ignore[misc]
 
-    def _run(self, results: dict[str, RequestOutput], total: int, show: bool) -> None:
+    def embed(
+        self,
+        prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed every prompt (vLLM's `LLM.embed`): `out.outputs.embedding`, in prompt
+        order. A prompt over the context limit, or one whose request failed, yields an output
+        with an empty embedding and the message in `error`."""
+        prompt_list = _as_prompt_list(prompts)
+        if isinstance(pooling_params, PoolingParams) or pooling_params is None:
+            params_list = [pooling_params or PoolingParams()] * len(prompt_list)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} pooling params for {len(prompt_list)} prompts")
+        results: dict[str, EngineOutput] = {}
+        order: list[str] = []
+        for prompt, params in zip(prompt_list, params_list, strict=True):
+            request_id = f"llm-{next(self._ids)}"
+            order.append(request_id)
+            try:
+                self.engine.add_request(request_id, prompt, params)
+            except PromptTooLongError as exc:
+                results[request_id] = _error_output(request_id, prompt, exc)
+        show = use_tqdm if use_tqdm is not None else len(prompt_list) > _TQDM_MIN_PROMPTS
+        self._run(results, len(order), show)
+        return [_as_embedding(results[rid]) for rid in order]
+
+    def _run(self, results: dict[str, EngineOutput], total: int, show: bool) -> None:
         bar = None
         if show:
             from tqdm.auto import tqdm
@@ -137,3 +169,12 @@ def _error_output(request_id: str, prompt: Prompt, exc: LoomError) -> RequestOut
         finished=True,
         error=str(exc),
     )
+
+
+def _as_embedding(out: EngineOutput) -> EmbeddingRequestOutput:
+    """An embedding request's output; a failed one (an error output) with no embedding."""
+    if isinstance(out, EmbeddingRequestOutput):
+        return out
+    return EmbeddingRequestOutput(request_id=out.request_id, outputs=EmbeddingOutput([]),
+                                  prompt_token_ids=out.prompt_token_ids, prompt=out.prompt,
+                                  error=out.error or "the request failed")

@@ -21,7 +21,8 @@ from loom.engine.config import EngineArgs, EngineConfig
 from loom.engine.engine_core import EngineCore
 from loom.engine.hooks import HookContext, PendingCall, SequenceHook
 from loom.engine.input_processor import InputProcessor
-from loom.engine.outputs import RequestOutput, fill_decoded_tokens
+from loom.engine.outputs import fill_decoded_tokens
+from loom.engine.pooling import EngineOutput, check_dimensions
 from loom.engine.promise_sync import PromiseSyncHook
 from loom.engine.resolve import build_engine_parts
 from loom.engine.session_snapshot import SessionSnapshot
@@ -33,6 +34,7 @@ from loom.engine.structured_output import StructuredOutputs
 from loom.errors import InvalidRequestError, UnknownRequestError
 from loom.kv_connector import KVConnectorRole, create_connector
 from loom.parallel.executor import TensorParallelExecutor
+from loom.pooling_params import PoolingParams
 from loom.runner.executor import Executor
 from loom.runner.model_runner import ModelRunner
 from loom.sampling_params import SamplingParams
@@ -111,7 +113,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | Sequence[int],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | PoolingParams | None = None,
         *,
         session: bool = False,
         pin: bool = False,
@@ -121,8 +123,15 @@ class LLMEngine:
 
         A session opened without `sampling_params` only computes its prompt and pauses with
         the last logits stored; `resume` or `append(..., sampling_params)` starts generating.
-        `ttl_s` overrides the engine's `session_ttl_s` for this session.
+        `ttl_s` overrides the engine's `session_ttl_s` for this session. With `PoolingParams`
+        it is an embedding request: its one output is an `EmbeddingRequestOutput`.
         """
+        if isinstance(sampling_params, PoolingParams):
+            if session:
+                raise InvalidRequestError(
+                    f"request {request_id!r}: an embedding request cannot be a session")
+            self._add_embedding_request(request_id, prompt, sampling_params)
+            return
         params = sampling_params or SamplingParams()
         if session and params.n != 1:
             raise InvalidRequestError(f"session {request_id!r}: n must be 1, got {params.n}")
@@ -135,6 +144,17 @@ class LLMEngine:
                              pin=pin, ttl_s=ttl_s)
         if session and sampling_params is None:
             self.table.start_segment(self.table.session(request_id), None)
+
+    def _add_embedding_request(self, request_id: str, prompt: str | Sequence[int],
+                               params: PoolingParams) -> None:
+        """Queue a prompt-only request whose output is its pooled, final hidden state."""
+        self.table.check_new_id(request_id)
+        model = self.runner.model_config
+        check_dimensions(params, model.hidden_size, model.hf)
+        prompt_text, prompt_ids = self.inputs.encode_prompt(request_id, prompt)
+        self.table.add_group(request_id, prompt_text, prompt_ids, SamplingParams(),
+                             pooling=params.pooling)
+        self.core.pooler.add(request_id, params)
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:
         """Stop requests (or sessions) now and free their blocks; unknown ids raise."""
@@ -159,8 +179,9 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one engine step and return the outputs of the requests it advanced."""
+    def step(self) -> list[EngineOutput]:
+        """Run one engine step and return the outputs of the requests it advanced (an
+        embedding request's one output is an `EmbeddingRequestOutput`)."""
         self.sessions.expire_idle()
         outputs = self.core.step()
         if self._persisted is not None:

@@ -133,9 +133,12 @@ class OutputAccumulator:
         )
 
 
-def fill_decoded_tokens(outputs: Sequence[RequestOutput], decode: Callable[[int], str]) -> None:
-    """Set `decoded_token` on the outputs' `Logprob`s that have none (children included)."""
+def fill_decoded_tokens(outputs: Sequence[object], decode: Callable[[int], str]) -> None:
+    """Set `decoded_token` on the outputs' `Logprob`s that have none (children included;
+    outputs other than `RequestOutput`s, embeddings, have none)."""
     for out in outputs:
+        if not isinstance(out, RequestOutput):
+            continue
         _fill_positions(out.prompt_logprobs, decode)
         for completion in out.outputs:
             _fill_positions(completion.logprobs, decode)

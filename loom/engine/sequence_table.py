@@ -164,21 +164,24 @@ class SequenceTable:
         session: bool = False,
         pin: bool = False,
         ttl_s: float | None = None,
+        pooling: str | None = None,
     ) -> None:
         """Create a request's sequences (n of them, or one session), each generating with
-        `params`, and queue them (`start_segment(seq, None)` turns sampling off)."""
+        `params`, and queue them (`start_segment(seq, None)` turns sampling off). With
+        `pooling` ("last", "mean") it is one embedding request that samples nothing."""
         self.check_new_id(request_id)
         seq_ids = [request_id] if params.n == 1 else [f"{request_id}/{i}" for i in range(params.n)]
         shared_prompt = list(prompt_ids)
         for index, seq_id in enumerate(seq_ids):
             request = Request(seq_id, list(prompt_ids), pinned=pin, priority=params.priority,
-                              wants_prompt_logits=params.prompt_logprobs is not None)
+                              wants_prompt_logits=params.prompt_logprobs is not None,
+                              pooling=pooling, sample_when_computed=pooling is None)
             seq = self._sequence(request, params, group_id=request_id, index=index,
                                  prompt=prompt, is_session=session, ttl_s=ttl_s,
                                  prompt_ids=shared_prompt)
             if params.prompt_logprobs is not None:
                 seq.prompt_logprobs = [None]
-            self.start_segment(seq, params)
+            self.start_segment(seq, None if pooling else params)
             self._seqs[seq_id] = seq
             self.scheduler.add_request(request)
         self._groups[request_id] = seq_ids

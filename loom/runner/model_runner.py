@@ -45,11 +45,13 @@ class ModelOutput:
 
     `logits`: float32 [N, V], `chunk.num_logits` rows per chunk that needs logits, in chunk
     order. `load_errors`: block id -> why the connector could not load it. `load_failure`:
-    why the whole external load failed (the connector raised), or None."""
+    why the whole external load failed (the connector raised), or None. `pooled`: float64
+    [P, H], one row per pooling chunk in chunk order (`pool_rows`), or None without any."""
 
     logits: torch.Tensor
     load_errors: dict[int, str] = field(default_factory=dict)
     load_failure: str | None = None
+    pooled: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -194,9 +196,9 @@ class ModelRunner:
         forward itself propagates: it concerns the whole step."""
         self.copy_blocks(scheduler_output.block_copies)
         load_failure = self.load_kv(scheduler_output.kv_connector_metadata)
-        logits = self.execute(scheduler_output.chunks)
+        logits, pooled = self.execute_step(scheduler_output.chunks)
         load_errors = self.save_kv()
-        return ModelOutput(logits, load_errors, load_failure)
+        return ModelOutput(logits, load_errors, load_failure, pooled)
 
     def shutdown(self) -> None:
         """Nothing to release on one device (the pool goes with the runner)."""
@@ -233,13 +235,19 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Run the chunks; float32 logits [N, V]: `chunk.num_logits` rows per chunk (its last
         token, or the token before its drafts and each draft), in chunk order."""
+        return self.execute_step(chunks)[0]
+
+    def execute_step(self, chunks: list[ScheduledChunk]
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run the chunks: their logits (see `execute`) and the pooling chunks' pooled rows
+        (see `pool_rows`; None when no chunk pools)."""
         vocab = self.model_config.vocab_size
         if not chunks:
-            return torch.empty((0, vocab), dtype=torch.float32, device=self.device)
+            return torch.empty((0, vocab), dtype=torch.float32, device=self.device), None
         if self.kv_connector is None:
             for graphs in (self.decode_graphs, self.verify_graphs):
-                if graphs is not None and graphs.applies(chunks):
-                    return graphs.run(chunks)
+                if graphs is not None and graphs.applies(chunks):  # never a pooling chunk
+                    return graphs.run(chunks), None
         metadata = self.build_metadata(chunks)
         input_ids = torch.tensor(
             [t for c in chunks for t in c.token_ids], dtype=torch.int64
@@ -253,7 +261,25 @@ class ModelRunner:
             last_rows.extend(range(end - c.num_logits, end))
         with torch.inference_mode(), forward_context(metadata, self.kv_caches, self.backend):
             hidden = self.model(input_ids, metadata.positions)
+            pooled = pool_rows(chunks, hidden)
             if not last_rows:
-                return torch.empty((0, vocab), dtype=torch.float32, device=self.device)
+                return torch.empty((0, vocab), dtype=torch.float32, device=self.device), pooled
             rows = torch.tensor(last_rows, dtype=torch.int64, device=self.device)
-            return self.model.compute_logits(hidden[rows])
+            return self.model.compute_logits(hidden[rows]), pooled
+
+
+def pool_rows(chunks: list[ScheduledChunk], hidden: torch.Tensor) -> torch.Tensor | None:
+    """One float64 row [H] per pooling chunk, in chunk order, from the packed hidden states
+    [T, H] (the model's output, after its final norm): "mean" chunks give the sum of their
+    rows (the engine adds the chunks' sums and divides once, so chunking changes at most the
+    float64 rounding of the sum), "last" chunks their last row (used only when the chunk
+    ends the prompt). None when no chunk pools."""
+    pooled: list[torch.Tensor] = []
+    end = 0
+    for c in chunks:
+        start, end = end, end + len(c.token_ids)
+        if c.pooling == "mean":
+            pooled.append(hidden[start:end].double().sum(dim=0))
+        elif c.pooling is not None:  # "last"
+            pooled.append(hidden[end - 1].double())
+    return torch.stack(pooled) if pooled else None
