@@ -231,6 +231,10 @@ class AsyncLLMEngine:
         """Whether a request or session by this id is live (paused sessions included)."""
         return self.engine.is_live(request_id)
 
+    def check_pooling_params(self, params: PoolingParams) -> None:
+        """An `InvalidRequestError` naming `dimensions` when the model does not take them."""
+        self.engine.check_pooling_params(params)
+
     # ---- the engine's API as coroutines -------------------------------------------
 
     async def add_request(

@@ -149,12 +149,16 @@ class LLMEngine:
                                params: PoolingParams) -> None:
         """Queue a prompt-only request whose output is its pooled, final hidden state."""
         self.table.check_new_id(request_id)
-        model = self.runner.model_config
-        check_dimensions(params, model.hidden_size, model.hf)
+        self.check_pooling_params(params)
         prompt_text, prompt_ids = self.inputs.encode_prompt(request_id, prompt)
         self.table.add_group(request_id, prompt_text, prompt_ids, SamplingParams(),
                              pooling=params.pooling)
         self.core.pooler.add(request_id, params)
+
+    def check_pooling_params(self, params: PoolingParams) -> None:
+        """An `InvalidRequestError` naming `dimensions` when the model does not take them."""
+        model = self.runner.model_config
+        check_dimensions(params, model.hidden_size, model.hf)
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:
         """Stop requests (or sessions) now and free their blocks; unknown ids raise."""

@@ -219,12 +219,34 @@ class InputItemList(_Body):
     has_more: bool
 
 
+class Embedding(_Body):
+    object: Literal["embedding"]
+    index: int
+    # floats, or (encoding_format "base64") the little-endian float32 bytes in base64
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(_Body):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(_Body):
+    """`POST /v1/embeddings`: one embedding per input, in input order."""
+
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 # (method, path) -> (the 200 body's models (one of), whether it can stream as SSE).
 RESPONSES: dict[tuple[str, str], tuple[tuple[type[BaseModel], ...], bool]] = {
     ("get", "/health"): ((Health,), False),
     ("get", "/version"): ((Version,), False),
     ("post", "/v1/completions"): ((Completion,), True),
     ("post", "/v1/chat/completions"): ((ChatCompletion,), True),
+    ("post", "/v1/embeddings"): ((EmbeddingList,), False),
     ("get", "/v1/models"): ((ModelList,), False),
     ("get", "/v1/models/{model_id}"): ((ModelCard,), False),
     ("post", "/tokenize"): ((Tokenized,), False),

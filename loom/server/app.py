@@ -10,7 +10,13 @@ from fastapi.responses import JSONResponse, Response
 
 import loom
 from loom.engine.async_engine import AsyncLLMEngine
-from loom.server import openai_routes, response_routes, session_routes, session_socket
+from loom.server import (
+    embedding_routes,
+    openai_routes,
+    response_routes,
+    session_routes,
+    session_socket,
+)
 from loom.server.api_docs import document_responses
 from loom.server.errors import install_error_handlers
 from loom.server.limits import BodySizeLimit, JSONBodies
@@ -46,6 +52,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     engine.on_ended.append(state.disown_session)
     install_error_handlers(app)
     app.include_router(openai_routes.router)
+    app.include_router(embedding_routes.router)
     app.include_router(session_routes.router)
     app.include_router(session_socket.router)
     app.include_router(response_routes.router)

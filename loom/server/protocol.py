@@ -3,12 +3,14 @@
 One place to import them from; each group lives in its own module: `request_base` (the base
 classes, the surrogate check, typed fields with limits), `request_fields` (sampling, stream
 options, constraints), `message_fields` (tools and chat messages), `openai_requests`
-(completions, chat, tokenize), `session_requests` (sessions), `response_requests` (the
-Responses API). Responses are plain dicts built in `responses.py`.
+(completions, chat, tokenize), `embedding_requests` (embeddings), `session_requests`
+(sessions), `response_requests` (the Responses API). Responses are plain dicts built in
+`responses.py`.
 """
 
 from __future__ import annotations
 
+from loom.server.embedding_requests import EmbeddingRequest
 from loom.server.message_fields import (
     FUNCTION_NAME_PATTERN,
     CalledFunction,
@@ -70,7 +72,8 @@ from loom.server.session_requests import (
 __all__ = [
     "FUNCTION_NAME_PATTERN", "IGNORED_FIELDS", "IGNORED_RESPONSE_FIELDS", "LIMIT",
     "TOKEN_IDS_SCHEMA", "CalledFunction", "ChatCompletionRequest", "ChatMessage",
-    "CompletionRequest", "ConstraintFields", "DetokenizeRequest", "FunctionDefinition",
+    "CompletionRequest", "ConstraintFields", "DetokenizeRequest", "EmbeddingRequest",
+    "FunctionDefinition",
     "FunctionName", "JSONSchemaFormat", "MaxTokens", "ModelName", "NamedToolChoice",
     "NonNegInt", "Prompt", "RequestBody", "ResponseFormat", "ResponseFunctionTool",
     "ResponseNamedToolChoice", "ResponseText", "ResponseTextFormat", "ResponsesRequest",
