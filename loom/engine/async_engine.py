@@ -235,6 +235,10 @@ class AsyncLLMEngine:
         """An `InvalidRequestError` naming `dimensions` when the model does not take them."""
         self.engine.check_pooling_params(params)
 
+    def embedding_dimensions(self) -> list[int]:
+        """The values `PoolingParams.dimensions` may take on this model."""
+        return self.engine.embedding_dimensions()
+
     # ---- the engine's API as coroutines -------------------------------------------
 
     async def add_request(

@@ -59,30 +59,34 @@ class EmbeddingRequestOutput:
 EngineOutput = RequestOutput | EmbeddingRequestOutput
 
 
-def matryoshka_dimensions(hf_config: dict[str, Any]) -> list[int] | None:
-    """The sizes a model's config allows `dimensions` to take: its `matryoshka_dimensions`
-    list, or (with `is_matryoshka: true` alone) None for any size up to the hidden size;
-    raises `InvalidRequestError` naming `dimensions` when the config claims neither."""
+def allowed_dimensions(hidden_size: int, hf_config: dict[str, Any]) -> list[int]:
+    """The values `PoolingParams.dimensions` may take on a model: its config's
+    `matryoshka_dimensions` (those up to the hidden size), or with `is_matryoshka: true`
+    alone every size up to the hidden size; none for any other model (vLLM's rule: only
+    matryoshka models take `dimensions`)."""
     sizes = hf_config.get("matryoshka_dimensions")
     if sizes:
-        return [int(s) for s in sizes]
+        return sorted({int(s) for s in sizes if 0 < int(s) <= hidden_size})
     if hf_config.get("is_matryoshka"):
-        return None
-    raise InvalidRequestError(
-        "invalid pooling parameter dimensions: this model does not support matryoshka "
-        "embeddings (its config sets neither is_matryoshka nor matryoshka_dimensions)")
+        return list(range(1, hidden_size + 1))
+    return []
 
 
 def check_dimensions(params: PoolingParams, hidden_size: int,
                      hf_config: dict[str, Any]) -> None:
-    """`params.dimensions` must be allowed by the model (see `matryoshka_dimensions`) and at
-    most the hidden size."""
+    """An `InvalidRequestError` naming `dimensions` unless the model allows
+    `params.dimensions` (see `allowed_dimensions`)."""
     wanted = params.dimensions
     if wanted is None:
         return
-    allowed = matryoshka_dimensions(hf_config)
-    if wanted > hidden_size or (allowed is not None and wanted not in allowed):
-        sizes = f"one of {allowed}" if allowed is not None else f"at most {hidden_size}"
+    allowed = allowed_dimensions(hidden_size, hf_config)
+    if not allowed:
+        raise InvalidRequestError(
+            "invalid pooling parameter dimensions: this model does not support matryoshka "
+            "embeddings (its config sets neither is_matryoshka nor matryoshka_dimensions)")
+    if wanted not in allowed:
+        sizes = (f"at most {hidden_size}" if len(allowed) == hidden_size
+                 else f"one of {allowed}")
         raise InvalidRequestError(
             f"invalid pooling parameter dimensions: {wanted} is not supported by this model "
             f"(it must be {sizes})")

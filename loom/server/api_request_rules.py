@@ -1,7 +1,8 @@
 """The rules `/openapi.json` adds to the request bodies' schemas: what the server checks
 beyond each field's type (exactly one of two fields, a tool_choice needing tools, one
 constraint, Responses input items), and this server's limits (the vocabulary, the
-max_tokens cap, the context, the served model) where a field carries `request_base.LIMIT`.
+max_tokens cap, the context, the served model, the embedding sizes it allows) where a field
+carries `request_base.LIMIT`.
 """
 
 from __future__ import annotations
@@ -143,7 +144,13 @@ def _limits(state: Any) -> dict[str, dict[str, Any]]:
     if state.config.max_tokens_cap is not None:
         max_tokens = min(max_tokens, state.config.max_tokens_cap)
     last_id = state.engine.inputs.vocab_size - 1
+    sizes = state.engine.embedding_dimensions()
+    if sizes and sizes == list(range(1, len(sizes) + 1)):
+        dimensions: dict[str, Any] = {"maximum": len(sizes)}
+    else:  # none (maximum 0: no integer is allowed) or the model's list
+        dimensions = {"enum": sizes} if sizes else {"maximum": 0}
     return {"token_id": {"maximum": last_id},
+            "dimensions": dimensions,
             "token_id_key": {"pattern": _at_most(last_id)},
             "max_tokens": {"maximum": max_tokens},
             "context": {"maximum": state.max_model_len - 1},

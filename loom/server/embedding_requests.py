@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
 from loom.server.openai_requests import Prompt
-from loom.server.request_base import ModelName, RequestBody
+from loom.server.request_base import LIMIT, ModelName, RequestBody
+
+# An embedding's size: one the served model allows (none unless it is a matryoshka model).
+Dimensions = Annotated[int, Field(ge=1, json_schema_extra={LIMIT: "dimensions"})]
 
 
 class EmbeddingRequest(RequestBody):
@@ -20,7 +23,7 @@ class EmbeddingRequest(RequestBody):
     model: ModelName
     input: Prompt
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(default=None, ge=1)
+    dimensions: Dimensions | None = None
     user: str | None = None
     normalize: bool = True
     pooling_type: Literal["last", "mean"] | None = None

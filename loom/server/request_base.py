@@ -20,7 +20,8 @@ NonNegInt = Annotated[int, Field(ge=0)]
 
 # Limits that depend on the served model or the server's flags: the published schema
 # (api_request_rules.py) fills them in where a field's schema carries this key, with its kind
-# ("token_id", "token_id_key", "max_tokens", "context": tokens of a session, "model").
+# ("token_id", "token_id_key", "max_tokens", "context": tokens of a session, "model",
+# "dimensions": an embedding's sizes the model allows).
 LIMIT = "x-loom-limit"
 # A token id: below the vocabulary size (the engine's input processor checks it).
 TokenId = Annotated[int, Field(ge=0, json_schema_extra={LIMIT: "token_id"})]
