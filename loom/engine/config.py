@@ -109,6 +109,9 @@ class EngineConfig:
     # Model facts the engine needs (from the model's config, not the runner).
     vocab_size: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    # The sizes an embedding may be cut to (`PoolingParams.dimensions`): empty unless the
+    # model is a matryoshka model (loom.engine.pooling.allowed_dimensions).
+    embedding_dimensions: tuple[int, ...] = ()
     kv_transfer: Any = None  # loom.kv_connector.KVTransferConfig, or None
     kv_cache_spec: Any = None  # loom.kv_connector.KVCacheSpec when kv_transfer is set
     special_kwargs: Any = None

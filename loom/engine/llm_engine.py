@@ -22,7 +22,7 @@ from loom.engine.engine_core import EngineCore
 from loom.engine.hooks import HookContext, PendingCall, SequenceHook
 from loom.engine.input_processor import InputProcessor
 from loom.engine.outputs import fill_decoded_tokens
-from loom.engine.pooling import EngineOutput, allowed_dimensions, check_dimensions
+from loom.engine.pooling import EngineOutput, check_dimensions
 from loom.engine.promise_sync import PromiseSyncHook
 from loom.engine.resolve import build_engine_parts
 from loom.engine.session_snapshot import SessionSnapshot
@@ -157,14 +157,12 @@ class LLMEngine:
 
     def check_pooling_params(self, params: PoolingParams) -> None:
         """An `InvalidRequestError` naming `dimensions` when the model does not take them."""
-        model = self.runner.model_config
-        check_dimensions(params, model.hidden_size, model.hf)
+        check_dimensions(params, self.config.embedding_dimensions)
 
     def embedding_dimensions(self) -> list[int]:
         """The values `PoolingParams.dimensions` may take on this model (none unless it is
         a matryoshka model)."""
-        model = self.runner.model_config
-        return allowed_dimensions(model.hidden_size, model.hf)
+        return list(self.config.embedding_dimensions)
 
     def abort_request(self, request_id: str | Sequence[str]) -> None:
         """Stop requests (or sessions) now and free their blocks; unknown ids raise."""

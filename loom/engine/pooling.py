@@ -14,6 +14,7 @@ complete:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,21 +73,19 @@ def allowed_dimensions(hidden_size: int, hf_config: dict[str, Any]) -> list[int]
     return []
 
 
-def check_dimensions(params: PoolingParams, hidden_size: int,
-                     hf_config: dict[str, Any]) -> None:
-    """An `InvalidRequestError` naming `dimensions` unless the model allows
-    `params.dimensions` (see `allowed_dimensions`)."""
+def check_dimensions(params: PoolingParams, allowed: Sequence[int]) -> None:
+    """An `InvalidRequestError` naming `dimensions` unless `params.dimensions` is one of the
+    model's `allowed` sizes (see `allowed_dimensions`)."""
     wanted = params.dimensions
     if wanted is None:
         return
-    allowed = allowed_dimensions(hidden_size, hf_config)
     if not allowed:
         raise InvalidRequestError(
             "invalid pooling parameter dimensions: this model does not support matryoshka "
             "embeddings (its config sets neither is_matryoshka nor matryoshka_dimensions)")
     if wanted not in allowed:
-        sizes = (f"at most {hidden_size}" if len(allowed) == hidden_size
-                 else f"one of {allowed}")
+        sizes = (f"at most {len(allowed)}" if list(allowed) == list(range(1, len(allowed) + 1))
+                 else f"one of {list(allowed)}")
         raise InvalidRequestError(
             f"invalid pooling parameter dimensions: {wanted} is not supported by this model "
             f"(it must be {sizes})")

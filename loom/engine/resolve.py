@@ -19,6 +19,7 @@ from loom.engine.mode import (
     normalize_dtype,
     normalize_quantization,
 )
+from loom.engine.pooling import allowed_dimensions
 from loom.errors import InvalidRequestError
 from loom.kernels import CUDA_INVARIANT_ARITHMETIC, KERNEL_ARITHMETIC, cpu_kernels_available
 from loom.kv_connector import KVCacheSpec, KVTransferConfig, model_identity
@@ -196,6 +197,8 @@ def _build_model_parts(
         speculative=speculative,
         vocab_size=model_config.vocab_size,
         eos_token_ids=tuple(model_config.eos_token_ids),
+        embedding_dimensions=tuple(allowed_dimensions(model_config.hidden_size,
+                                                      model_config.hf)),
         kv_transfer=kv_transfer,
         kv_cache_spec=None if kv_transfer is None else KVCacheSpec(
             model_id=model_identity(model_path), dtype=dtype, kv_cache_dtype=kv_dtype,

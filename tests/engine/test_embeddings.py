@@ -5,12 +5,14 @@ embedding request frees its blocks when it ends."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from engine.helpers import make_engine, prompt_ids, run_to_completion
 
 from loom import SamplingParams
-from loom.engine.pooling import EmbeddingRequestOutput
+from loom.engine.pooling import EmbeddingRequestOutput, allowed_dimensions
 from loom.errors import InvalidRequestError
 from loom.pooling_params import PoolingParams
 
@@ -123,26 +125,31 @@ def test_dimensions_needs_a_matryoshka_model_and_bad_params_are_refused(tiny_mod
     assert not engine.is_live("d") and engine.kv_pool_all_free
 
 
+def test_allowed_dimensions_follow_the_model_config() -> None:
+    assert allowed_dimensions(8, {}) == []
+    assert allowed_dimensions(8, {"is_matryoshka": True}) == list(range(1, 9))
+    assert allowed_dimensions(8, {"matryoshka_dimensions": [16, 4, 2]}) == [2, 4]
+
+
 def test_dimensions_on_a_matryoshka_model(tiny_models) -> None:
     folder, hf_model = tiny_models["qwen3"]
     engine = make_engine(folder, quantization=None)
-    hf = engine.runner.model_config.hf
-    hf["is_matryoshka"] = True  # what a matryoshka model's config says
-    try:
-        ids = prompt_ids(9, 7)
-        got = _embed(engine, ids, PoolingParams(dimensions=8))
-        full = _reference(hf_model, ids, "last", False)[:8].double()
-        torch.testing.assert_close(torch.tensor(got), (full / full.norm()).float(),
-                                   atol=ATOL, rtol=0)
-        with pytest.raises(InvalidRequestError, match="dimensions"):
-            engine.add_request("big", ids, PoolingParams(dimensions=10**4))
-        hf["matryoshka_dimensions"] = [4, 16]
-        with pytest.raises(InvalidRequestError, match=r"one of \[4, 16\]"):
-            engine.add_request("odd", ids, PoolingParams(dimensions=8))
-        assert len(_embed(engine, ids, PoolingParams(dimensions=4), "four")) == 4
-    finally:
-        hf.pop("is_matryoshka", None)
-        hf.pop("matryoshka_dimensions", None)
+    hidden = hf_model.config.hidden_size
+    # What a matryoshka model's config says (`is_matryoshka: true`), as resolve derives it.
+    engine.config = replace(engine.config, embedding_dimensions=tuple(
+        allowed_dimensions(hidden, {"is_matryoshka": True})))
+    ids = prompt_ids(9, 7)
+    got = _embed(engine, ids, PoolingParams(dimensions=8))
+    full = _reference(hf_model, ids, "last", False)[:8].double()
+    torch.testing.assert_close(torch.tensor(got), (full / full.norm()).float(), atol=ATOL,
+                               rtol=0)
+    with pytest.raises(InvalidRequestError, match=f"at most {hidden}"):
+        engine.add_request("big", ids, PoolingParams(dimensions=hidden + 1))
+    engine.config = replace(engine.config, embedding_dimensions=(4, 16))
+    with pytest.raises(InvalidRequestError, match=r"one of \[4, 16\]"):
+        engine.add_request("odd", ids, PoolingParams(dimensions=8))
+    assert len(_embed(engine, ids, PoolingParams(dimensions=4), "four")) == 4
+    assert engine.kv_pool_all_free
 
 
 def test_abort_and_preemption_free_everything(tiny_models) -> None:

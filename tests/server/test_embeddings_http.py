@@ -110,3 +110,25 @@ def test_unknown_model_is_a_404(tiny):
     _server, client, _http, _llm = tiny
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="other", input="hi")
+
+
+def test_a_matryoshka_model_takes_the_dimensions_it_lists(tiny_models):
+    from dataclasses import replace
+
+    from loom.engine.llm_engine import LLMEngine
+
+    folder, _ = tiny_models["qwen3"]
+    engine = LLMEngine.from_engine_args(tiny_args(folder))
+    # As resolve derives it from a config with `matryoshka_dimensions: [4, 16]`.
+    engine.config = replace(engine.config, embedding_dimensions=(4, 16))
+    with run_server(engine, served_model_name=MODEL) as server, \
+            httpx.Client(base_url=server.base_url, timeout=60) as http:
+        schema = http.get("/openapi.json").json()["components"]["schemas"]
+        field = schema["EmbeddingRequest"]["properties"]["dimensions"]
+        assert {"type": "integer", "minimum": 1, "enum": [4, 16]} in field["anyOf"]
+        ok = http.post("/v1/embeddings", json={"model": MODEL, "input": "hi", "dimensions": 4})
+        assert ok.status_code == 200 and len(ok.json()["data"][0]["embedding"]) == 4
+        bad = http.post("/v1/embeddings", json={"model": MODEL, "input": "hi", "dimensions": 8})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "dimensions"
+        assert "one of [4, 16]" in bad.json()["error"]["message"]
+    assert engine.kv_pool_all_free
