@@ -24,15 +24,15 @@ from loom.server.state import ServerState
 router = APIRouter()
 
 
-def _inputs(state: ServerState, given: Any) -> list[str | list[int]]:
-    """`input` as a list of texts or token-id lists, each non-empty, in the vocabulary and
-    within the context limit (400s naming `input`)."""
+def _inputs(state: ServerState, given: Any) -> list[list[int]]:
+    """`input` as token-id lists (text tokenised with BOS, as a prompt), each non-empty, in
+    the vocabulary and within the context limit (400s naming `input`)."""
     if isinstance(given, str) or (given and isinstance(given[0], int)):
         given = [given]
     if not given or any(not item for item in given):
         raise APIError(400, "input must not be empty", param="input")
     inputs = state.engine.inputs
-    out: list[str | list[int]] = []
+    out: list[list[int]] = []
     for item in given:
         try:
             ids = (inputs.tokenizer.encode(item, add_special_tokens=True)
@@ -44,7 +44,7 @@ def _inputs(state: ServerState, given: Any) -> list[str | list[int]]:
             raise APIError(400, f"an input has {len(ids)} tokens; this model's context limit "
                                 f"is {state.max_model_len} tokens", param="input",
                            code="context_length_exceeded")
-        out.append(item if isinstance(item, str) else ids)
+        out.append(ids)
     return out
 
 
