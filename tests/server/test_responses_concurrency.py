@@ -1,23 +1,25 @@
 """Many Responses conversations at once on the tiny Gemma 3 model (issue 43): chains of
-continuations, streamed and not, forks of one response, a response deleted while it is
-continued, streams cancelled midway. Every turn is answered or refused with an OpenAI-style
-4xx; a stream always ends with its terminal event; nothing hangs; at the end the engine runs
-nothing and holds no KV block."""
+continuations, streamed and not, over raw HTTP, the openai client and openai-agents' Runner,
+forks of one response, a response deleted while it is continued, streams cancelled midway.
+Every turn is answered or refused with an OpenAI-style 4xx; a stream always ends with its
+terminal event; nothing hangs; at the end the engine runs nothing and holds no KV block."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from typing import Any
+from typing import Any, Literal
 
+import agents
 import httpx
+import openai
 import pytest
 from server.conftest import delete_stored_responses, run_server, wait_until
 from server.test_server_robustness import TEMPLATE, engine_args
 
 MODEL = "test-model"
-CONVERSATIONS = 24
+CONVERSATIONS = 32
 TURN_S = 30.0  # no turn may take longer
 STEP_S = 0.005  # a real model's step takes milliseconds: the engine is busy between calls
 DONE = ("response.completed", "response.incomplete")
@@ -114,8 +116,50 @@ async def _cancel_midway(c: httpx.AsyncClient, k: int) -> None:
     await _turn(c, k, "After the cancel.", root)  # the root is intact
 
 
+def _openai_client(c: httpx.AsyncClient) -> openai.AsyncOpenAI:
+    """The openai client (its own connections) on the server `c` talks to."""
+    return openai.AsyncOpenAI(base_url=f"{str(c.base_url).rstrip('/')}/v1", api_key="unused",
+                              max_retries=0, timeout=TURN_S)
+
+
+async def _openai_chain(c: httpx.AsyncClient, k: int) -> None:
+    """Four turns through the openai client, streamed for odd conversations."""
+    client, previous = _openai_client(c), None
+    for j in range(4):
+        args = dict(model=MODEL, input=f"Client turn {j} of {k}.", temperature=0,
+                    max_output_tokens=6, previous_response_id=previous)
+        if k % 2:  # the stream's last event carries the response (completed or incomplete)
+            events = [e async for e in await client.responses.create(stream=True, **args)]
+            assert events[-1].type in DONE, events[-1].type
+            final = events[-1].response
+        else:
+            final = await asyncio.wait_for(client.responses.create(**args), TURN_S)
+        assert final.status in ("completed", "incomplete") and final.id.startswith("resp_")
+        previous = final.id
+
+
+async def _agents_chain(c: httpx.AsyncClient, k: int) -> None:
+    """Four runs of an openai-agents agent, each continuing the last by its response id.
+    The SDK fails a response cut by max tokens, so the agent answers a short structured
+    output (its schema ends the random model's document: `completed`)."""
+    agent = agents.Agent(
+        name=f"agent-{k}", instructions="Answer yes or no.", output_type=Literal["yes", "no"],
+        model=agents.OpenAIResponsesModel(model=MODEL, openai_client=_openai_client(c)),
+        model_settings=agents.ModelSettings(temperature=0, max_tokens=64))
+    previous = None
+    for j in range(4):
+        result = await asyncio.wait_for(
+            agents.Runner.run(agent, f"Agent turn {j} of {k}.", max_turns=1,
+                              previous_response_id=previous), TURN_S)
+        assert result.final_output in ("yes", "no")
+        assert result.last_response_id and result.last_response_id != previous
+        previous = result.last_response_id
+
+
 async def _all(base_url: str) -> None:
-    scenes = [_chain, _chain, _fork, _delete_while_continued, _cancel_midway, _chain]
+    agents.set_tracing_disabled(True)
+    scenes = [_chain, _openai_chain, _fork, _delete_while_continued, _cancel_midway,
+              _agents_chain, _chain, _openai_chain]
     limits = httpx.Limits(max_connections=4 * CONVERSATIONS)
     async with httpx.AsyncClient(base_url=base_url, timeout=TURN_S, limits=limits) as c:
         await asyncio.gather(*(scenes[k % len(scenes)](c, k) for k in range(CONVERSATIONS)))
