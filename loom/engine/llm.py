@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from loom.engine.config import EngineArgs
@@ -65,28 +65,10 @@ class LLM:
         `finish_reason="error"` and the message in `error`; the others still run.
         """
         prompt_list = _as_prompt_list(prompts)
-        if isinstance(sampling_params, SamplingParams) or sampling_params is None:
-            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(prompt_list):
-                raise ValueError(
-                    f"got {len(params_list)} sampling params for {len(prompt_list)} prompts"
-                )
-        results: dict[str, EngineOutput] = {}
-        order: list[str] = []
-        for prompt, params in zip(prompt_list, params_list, strict=True):
-            request_id = f"llm-{next(self._ids)}"
-            order.append(request_id)
-            # One output per request, when it finishes: no per-step copies of its text.
-            params = params.with_updates(output_kind=RequestOutputKind.FINAL_ONLY)
-            try:
-                self.engine.add_request(request_id, prompt, params)
-            except PromptTooLongError as exc:
-                results[request_id] = _error_output(request_id, prompt, exc)
-        show = use_tqdm if use_tqdm is not None else len(prompt_list) > _TQDM_MIN_PROMPTS
-        self._run(results, len(order), show)
-        return [results[rid] for rid in order]  # type: ignore[misc]
+        params_list = [  # one output per request, when it finishes: no per-step copies
+            p.with_updates(output_kind=RequestOutputKind.FINAL_ONLY)
+            for p in _per_prompt(sampling_params, SamplingParams, len(prompt_list), "sampling")]
+        return self._run_all(prompt_list, params_list, use_tqdm)  # type: ignore[return-value]
 
     def embed(
         self,
@@ -98,13 +80,13 @@ class LLM:
         order. A prompt over the context limit, or one whose request failed, yields an output
         with an empty embedding and the message in `error`."""
         prompt_list = _as_prompt_list(prompts)
-        if isinstance(pooling_params, PoolingParams) or pooling_params is None:
-            params_list = [pooling_params or PoolingParams()] * len(prompt_list)
-        else:
-            params_list = list(pooling_params)
-            if len(params_list) != len(prompt_list):
-                raise ValueError(
-                    f"got {len(params_list)} pooling params for {len(prompt_list)} prompts")
+        params_list = _per_prompt(pooling_params, PoolingParams, len(prompt_list), "pooling")
+        return [_as_embedding(out) for out in self._run_all(prompt_list, params_list, use_tqdm)]
+
+    def _run_all(self, prompt_list: list[Any], params_list: list[Any],
+                 use_tqdm: bool | None) -> list[EngineOutput]:
+        """Add one request per prompt and run them all; their final outputs in prompt order
+        (a prompt over the context limit: an error output, the others still run)."""
         results: dict[str, EngineOutput] = {}
         order: list[str] = []
         for prompt, params in zip(prompt_list, params_list, strict=True):
@@ -116,7 +98,7 @@ class LLM:
                 results[request_id] = _error_output(request_id, prompt, exc)
         show = use_tqdm if use_tqdm is not None else len(prompt_list) > _TQDM_MIN_PROMPTS
         self._run(results, len(order), show)
-        return [_as_embedding(results[rid]) for rid in order]
+        return [results[rid] for rid in order]
 
     def _run(self, results: dict[str, EngineOutput], total: int, show: bool) -> None:
         bar = None
@@ -135,6 +117,17 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+
+
+def _per_prompt(params: Any, default: Callable[[], Any], count: int, kind: str) -> list[Any]:
+    """One parameters object per prompt: a single one (or None: `default()`) for all, or a
+    sequence of exactly `count`."""
+    if params is None or not isinstance(params, Sequence):
+        return [params or default()] * count
+    params_list = list(params)
+    if len(params_list) != count:
+        raise ValueError(f"got {len(params_list)} {kind} params for {count} prompts")
+    return params_list
 
 
 def _as_prompt_list(prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict]
