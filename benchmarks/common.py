@@ -49,6 +49,7 @@ script named in it (with the exact command, date and machine); raw results are i
 | `bench_quality.py` | int8 / w8a8 against float32: perplexity, top-1 and greedy-token agreement |
 | `bench_speculative.py` | n-gram speculation vs plain decode, prompts without repeats |
 | `bench_prefix.py` | prefix caching: shared-prefix TTFT and throughput, cache on vs off |
+| `bench_invariance.py` | prompts alone vs batched, chunked, cached: tokens, logprobs that differ |
 | `run_all.py` | all of them, then `plot.py` (`make bench`; `--quick` for small sizes) |
 
 Every script takes `--quick`, `--repeats`, `--no-hf`, `--no-llama-cpp`, `--no-doc` and its
