@@ -294,11 +294,22 @@ def programs_for(num_items: int, num_kv_heads: int, max_keys: int, target_progra
     return max(1, min(parts, wanted, MAX_PROGRAMS))
 
 
+def launch_for(split: bool | None, num_items: int, num_kv_heads: int, max_keys: int,
+               target_programs: int, part_keys: int = PART_KEYS) -> tuple[int, int]:
+    """(programs per item, part slots) for contexts of up to `max_keys` keys: `split` None
+    chooses by `programs_for`; True forces one program per part, False one per item."""
+    parts = max(1, -(-max_keys // part_keys))
+    if split is None:
+        programs = programs_for(num_items, num_kv_heads, max_keys, target_programs, part_keys)
+    else:
+        programs = max(2, parts) if split else 1
+    return programs, parts
+
+
 def make_plan(query_lens: list[int], seq_lens: list[int], group: int, num_kv_heads: int,
               device: torch.device, target_programs: int, split: bool | None = None,
               part_keys: int = PART_KEYS) -> AttentionPlan:
-    """The tiling of a step from its host-side lengths (`split` forces one program per
-    part, or one per item, instead of choosing by `programs_for`)."""
+    """The tiling of a step from its host-side lengths (`split`: see `launch_for`)."""
     block_q = block_q_for(max(query_lens, default=1), group)
     seqs: list[int] = []
     offs: list[int] = []
@@ -306,12 +317,8 @@ def make_plan(query_lens: list[int], seq_lens: list[int], group: int, num_kv_hea
         for off in range(0, n, block_q):
             seqs.append(b)
             offs.append(off)
-    parts = max(1, -(-max(seq_lens, default=1) // part_keys))
-    if split is None:
-        programs = programs_for(len(seqs), num_kv_heads, max(seq_lens, default=1),
-                                target_programs, part_keys)
-    else:
-        programs = max(2, parts) if split else 1
+    programs, parts = launch_for(split, len(seqs), num_kv_heads, max(seq_lens, default=1),
+                                 target_programs, part_keys)
     packed = torch.tensor([seqs, offs], dtype=torch.int32).to(device, non_blocking=True)
     return AttentionPlan(packed[0], packed[1], block_q, programs, parts, part_keys=part_keys)
 

@@ -149,7 +149,7 @@ class DecodeGraphRunner:
                         self.sizes, time.perf_counter() - began)
 
     def _metadata(self, size: int) -> AttentionMetadata:
-        from loom.kernels.triton_attention import AttentionPlan, block_q_for, programs_for
+        from loom.kernels.triton_attention import AttentionPlan, block_q_for, launch_for
 
         tokens = size * self.tokens_per_seq
         md = AttentionMetadata(
@@ -163,13 +163,9 @@ class DecodeGraphRunner:
         # its own parts over the bucket's programs (the cut is fixed, so a row's bits do
         # not depend on how many there are).
         part_keys = self.backend.part_keys
-        parts = -(-self._max_model_len // part_keys)
-        split = self.backend.split
-        if split is None:
-            programs = programs_for(size, self._num_kv_heads, self._max_model_len,
-                                    self.backend.target_programs, part_keys)
-        else:
-            programs = max(2, parts) if split else 1
+        programs, parts = launch_for(self.backend.split, size, self._num_kv_heads,
+                                     self._max_model_len, self.backend.target_programs,
+                                     part_keys)
         plan = AttentionPlan(  # one work item per sequence, covering its token slots
             work_seq=torch.arange(size, dtype=torch.int32, device=self.device),
             work_qoff=torch.zeros(size, dtype=torch.int32, device=self.device),

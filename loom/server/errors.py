@@ -204,13 +204,13 @@ async def _on_http_error(request: Request, error: StarletteHTTPException) -> JSO
     return error_response(error.status_code, message, headers=headers or None)
 
 
-def _internal_error(error: Exception) -> APIError:
+def internal_error(error: Exception) -> APIError:
     """The 500 for an exception nothing maps, naming it."""
     return APIError(500, f"internal error: {type(error).__name__}: {error}")
 
 
 async def _on_unexpected(request: Request, error: Exception) -> JSONResponse:
-    failure = _internal_error(error)
+    failure = internal_error(error)
     return error_response(failure.status, failure.message)
 
 
@@ -242,7 +242,7 @@ class UnexpectedErrors:
                 raise
             logger.exception("unexpected error in %s %s", scope.get("method"),
                              scope.get("path"))
-            failure = _internal_error(error)
+            failure = internal_error(error)
             body = json.dumps(error_body(failure.status, failure.message)).encode()
             await send({"type": "http.response.start", "status": 500,
                         "headers": [(b"content-type", b"application/json"),

@@ -44,6 +44,7 @@ from loom.server.errors import (
     APIError,
     as_api_error,
     error_body,
+    internal_error,
     invalid_body,
     unpaired_surrogate,
 )
@@ -95,7 +96,7 @@ def _refusal(error: Exception) -> APIError:
     if isinstance(error, APIError | LoomError):
         return as_api_error(error)
     logger.error("unexpected error on a session socket", exc_info=error)
-    return APIError(500, f"internal error: {type(error).__name__}: {error}")
+    return internal_error(error)
 
 
 class _Socket:

@@ -28,6 +28,19 @@ class RunningServer:
         return self.engine.engine
 
 
+
+def engine_args(tiny_models, **overrides):
+    """EngineArgs of a float32 CPU engine on the tiny Gemma 3 model (256 KV blocks of 4
+    tokens unless `overrides` say otherwise)."""
+    from loom.engine.config import EngineArgs
+
+    folder, _ = tiny_models["gemma3"]
+    args = dict(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=256,
+                block_size=4)
+    args.update(overrides)
+    return EngineArgs(**args)
+
+
 @contextlib.contextmanager
 def run_server(engine_args, **server_config) -> Iterator[RunningServer]:
     """Build the engine (or wrap an `LLMEngine` given instead of `EngineArgs`) and the app,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server.conftest import delete_stored_responses, run_server, wait_until
-from server.test_server_robustness import TEMPLATE, engine_args
+from server.conftest import delete_stored_responses, engine_args, run_server, wait_until
+from server.test_server_robustness import TEMPLATE
 
 MODEL = "test-model"
 LABELS = {"model_name": MODEL, "engine": "0"}

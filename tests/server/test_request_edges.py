@@ -13,9 +13,8 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from server.conftest import run_server
+from server.conftest import engine_args, run_server
 
-from loom.engine.config import EngineArgs
 from loom.tokenizer.packaged_templates import GEMMA3_TEMPLATE, packaged_template_file
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -27,9 +26,7 @@ LONE = "x \ud800 y"  # json.dumps writes it as the escape "\ud800": valid JSON, 
 
 @pytest.fixture(scope="module")
 def server(tiny_models):
-    folder, _ = tiny_models["gemma3"]
-    args = EngineArgs(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=256,
-                      block_size=4, max_model_len=128)
+    args = engine_args(tiny_models, max_model_len=128)
     with run_server(args, chat_template=str(packaged_template_file(GEMMA3_TEMPLATE)),
                     max_tokens_cap=CAP) as srv:
         yield srv

@@ -15,8 +15,8 @@ import agents
 import httpx
 import openai
 import pytest
-from server.conftest import delete_stored_responses, run_server, wait_until
-from server.test_server_robustness import TEMPLATE, engine_args
+from server.conftest import delete_stored_responses, engine_args, run_server, wait_until
+from server.test_server_robustness import TEMPLATE
 
 MODEL = "test-model"
 CONVERSATIONS = 32

@@ -15,9 +15,8 @@ import re
 
 import httpx
 import pytest
-from server.conftest import run_server
+from server.conftest import engine_args, run_server
 
-from loom.engine.config import EngineArgs
 from loom.tokenizer.packaged_templates import GEMMA3_TEMPLATE, packaged_template_file
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -30,9 +29,7 @@ BEYOND_THE_SCHEMA = re.compile(
 
 @pytest.fixture(scope="module")
 def server(tiny_models):
-    folder, _ = tiny_models["gemma3"]
-    args = EngineArgs(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=1024,
-                      block_size=4, max_model_len=512)
+    args = engine_args(tiny_models, num_kv_blocks=1024, max_model_len=512)
     with run_server(args, chat_template=str(packaged_template_file(GEMMA3_TEMPLATE)),
                     max_tokens_cap=2) as srv:
         yield srv

@@ -14,23 +14,13 @@ import time
 
 import httpx
 import pytest
-from server.conftest import delete_stored_responses, run_server, wait_until
+from server.conftest import delete_stored_responses, engine_args, run_server, wait_until
 
-from loom.engine.config import EngineArgs
 from loom.tokenizer.packaged_templates import GEMMA3_TEMPLATE, packaged_template_file
 
 TEMPLATE = str(packaged_template_file(GEMMA3_TEMPLATE))
 MODEL = "test-model"
 LONG = 400  # tokens: long enough that no generation of this length ends during a test's reads
-
-
-def engine_args(tiny_models, **overrides) -> EngineArgs:
-    """A float32 CPU engine on the tiny Gemma 3 model."""
-    folder, _ = tiny_models["gemma3"]
-    args = dict(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=256,
-                block_size=4)
-    args.update(overrides)
-    return EngineArgs(**args)
 
 
 @pytest.fixture(scope="module")

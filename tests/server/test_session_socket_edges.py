@@ -10,9 +10,7 @@ import json
 
 import httpx
 import pytest
-from server.conftest import run_server
-
-from loom.engine.config import EngineArgs
+from server.conftest import engine_args, run_server
 
 websockets = pytest.importorskip("websockets")
 from websockets.sync.client import connect  # noqa: E402
@@ -23,9 +21,7 @@ NOT_FOUND_CLOSE = 4404
 
 @pytest.fixture(scope="module")
 def served(tiny_models):
-    folder, _ = tiny_models["gemma3"]
-    args = EngineArgs(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=128,
-                      block_size=4, max_model_len=128)
+    args = engine_args(tiny_models, num_kv_blocks=128, max_model_len=128)
     with run_server(args, api_keys=KEYS) as server, httpx.Client(
             base_url=server.base_url, timeout=60,
             headers={"Authorization": f"Bearer {KEYS[0]}"}) as http:

@@ -11,9 +11,8 @@ import math
 
 import httpx
 import pytest
-from server.conftest import run_server
+from server.conftest import engine_args, run_server
 
-from loom.engine.config import EngineArgs
 from loom.server.response_routes import _sse as responses_sse
 from loom.server.responses import sse
 from loom.server.wire import json_text
@@ -57,9 +56,7 @@ def nulls(value: object) -> int:
 
 @pytest.fixture(scope="module")
 def served(tiny_models):
-    folder, _ = tiny_models["gemma3"]
-    args = EngineArgs(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=128,
-                      block_size=4, max_model_len=128)
+    args = engine_args(tiny_models, num_kv_blocks=128, max_model_len=128)
     with run_server(args, chat_template=TEMPLATE) as server, httpx.Client(
             base_url=server.base_url, timeout=120) as http:
         yield server, http
