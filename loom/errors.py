@@ -4,7 +4,13 @@ from __future__ import annotations
 
 
 class LoomError(Exception):
-    """Root of every deliberate Loom error."""
+    """Root of every deliberate Loom error. `param` names the request field at fault, where
+    one is (an HTTP adapter puts it in OpenAI's error body); it survives pickling, so an
+    error raised in a replica reaches the server whole."""
+
+    def __init__(self, *args: object, param: str | None = None) -> None:
+        super().__init__(*args)
+        self.param = param
 
 
 class ModelNotFoundError(LoomError):
@@ -36,6 +42,10 @@ class PromptTooLongError(InvalidRequestError):
     """A prompt (or a session after an append) longer than the context limit."""
 
 
+class ContextLengthError(PromptTooLongError):
+    """A request whose prompt and `max_tokens` do not fit the context (`param` names which)."""
+
+
 class DuplicateRequestError(LoomError, KeyError):
     """A request id that is already in use."""
 
@@ -52,6 +62,16 @@ class UnknownRequestError(LoomError, KeyError):
 
 class SessionClosedError(UnknownRequestError):
     """An operation on a session that was closed, aborted or has expired."""
+
+
+class SessionLostError(UnknownRequestError):
+    """A session whose engine replica is gone (killed, crashed, scaled down) with no shared
+    store to continue it from; the message names the replica and the cause."""
+
+
+class ReplicaUnavailableError(LoomError):
+    """No engine replica can take the request now (none is running, or the one a request
+    must reach is draining)."""
 
 
 class InvalidSessionStateError(LoomError):

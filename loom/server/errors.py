@@ -27,6 +27,8 @@ from loom.errors import (
     InvalidSessionStateError,
     LoomError,
     PromptTooLongError,
+    ReplicaUnavailableError,
+    SessionLostError,
     UnknownRequestError,
 )
 
@@ -92,24 +94,29 @@ def error_response(status: int, message: str, param: str | None = None,
 
 
 def from_loom_error(error: LoomError) -> APIError:
-    """The HTTP form of an engine error: 404 for unknown or closed requests and sessions,
-    409 for a session in the wrong state, 400 for bad input."""
+    """The HTTP form of an engine error: 404 for unknown, closed or lost requests and
+    sessions, 409 for a session in the wrong state, 503 when no engine can serve, 400 for
+    bad input (naming the field the error names)."""
     message = str(error)
     if isinstance(error, EngineShutDownError):
         return APIError(503, message, code="engine_shut_down")
+    if isinstance(error, ReplicaUnavailableError):
+        return APIError(503, message, code="replica_unavailable")
+    if isinstance(error, SessionLostError):
+        return APIError(404, message, code="session_lost")
     if isinstance(error, UnknownRequestError):  # includes SessionClosedError
         return APIError(404, message, code="not_found")
     if isinstance(error, DuplicateRequestError | InvalidSessionStateError):
         return APIError(409, message, code="conflict")
-    if isinstance(error, PromptTooLongError):  # as ServerState.max_tokens says it
-        return APIError(400, message, code="context_length_exceeded")
-    param = None
-    if isinstance(error, InvalidSamplingParamsError):
+    param = error.param
+    if isinstance(error, PromptTooLongError):  # as TokenBudget says it
+        return APIError(400, message, param=param, code="context_length_exceeded")
+    if param is None and isinstance(error, InvalidSamplingParamsError):
         match = re.search(r"invalid sampling parameter (\w+)=", message)
         param = match.group(1) if match else None
     if isinstance(error, InvalidRequestError | InvalidSamplingParamsError):
         return APIError(400, message, param=param, code="invalid_value")
-    return APIError(400, message)
+    return APIError(400, message, param=param)
 
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:
