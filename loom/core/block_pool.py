@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+from loom.core.kv_events import KVEventCollector
+
 
 class BlockPool:
     """Hands out block ids in [0, num_blocks) and takes them back when unreferenced.
@@ -18,9 +20,13 @@ class BlockPool:
     Invariants: a block is free exactly when its reference count is 0, so
     `num_free_blocks + (blocks with ref_count > 0) == num_blocks`; a hash names at most one
     block and that block names it back.
+
+    With an `events` collector, every hash given or dropped is announced there
+    (`loom.core.kv_events`): stores by the `KVCacheManager`, which knows the tokens, removals
+    and resets here.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: KVEventCollector | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -30,6 +36,7 @@ class BlockPool:
         self._hash_of: list[bytes | None] = [None] * num_blocks
         self._block_of: dict[bytes, int] = {}
         self.num_evictions = 0
+        self.events = events
 
     @property
     def num_free_blocks(self) -> int:
@@ -121,21 +128,29 @@ class BlockPool:
 
     def uncache(self, block_id: int) -> None:
         """Drop the block's hash: its content is about to change (or is forgotten)."""
+        self._uncache(block_id, announce=True)
+
+    def reset_cache(self) -> int:
+        """Forget every hash (blocks in use keep their content); returns how many. Announced
+        as one `AllBlocksCleared`, not block by block."""
+        count = len(self._block_of)
+        for block_id in list(self._block_of.values()):
+            self._uncache(block_id, announce=False)
+        if self.events is not None:
+            self.events.cleared()
+        return count
+
+    def _uncache(self, block_id: int, announce: bool) -> None:
         if self._hash_of[block_id] is None:
             return
-        self._drop_hash(block_id)
+        self._drop_hash(block_id, announce)
         if self._ref_counts[block_id] == 0:
             del self._cached_free[block_id]
             self._free.appendleft(block_id)
 
-    def reset_cache(self) -> int:
-        """Forget every hash (blocks in use keep their content); returns how many."""
-        count = len(self._block_of)
-        for block_id in list(self._block_of.values()):
-            self.uncache(block_id)
-        return count
-
-    def _drop_hash(self, block_id: int) -> None:
+    def _drop_hash(self, block_id: int, announce: bool = True) -> None:
         block_hash = self._hash_of[block_id]
         self._hash_of[block_id] = None
         del self._block_of[block_hash]
+        if announce and self.events is not None:
+            self.events.removed(block_hash)

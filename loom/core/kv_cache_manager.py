@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loom.core.block_pool import BlockPool
+from loom.core.kv_events import KVEventCollector
 from loom.core.request import Request
 
 
@@ -36,6 +37,8 @@ class KVCacheManager:
     Prefix caching: every full block whose tokens are all computed gets its chained hash
     (`cache_blocks`); `find_cached_blocks` finds the longest run of cached blocks that
     continues a request's table, which `allocate_slots` then shares instead of computing.
+    With `attach_events`, every change to the set of cached hashes is also announced as a
+    KV cache event (`loom.core.kv_events`).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -52,6 +55,13 @@ class KVCacheManager:
         # copy into the same dst replaces the earlier one. Sources hold the same K/V until the
         # copies run (only a forward writes blocks), so the gather equals the queued order.
         self._pending_copies: dict[int, int] = {}
+        self.events: KVEventCollector | None = None
+
+    def attach_events(self, events: KVEventCollector) -> None:
+        """Announce every hash stored, removed or cleared from now on in `events` (attach
+        before the first request, so a subscriber's view starts from an empty cache)."""
+        self.events = events
+        self.pool.events = events
 
     @property
     def num_free_blocks(self) -> int:
@@ -246,9 +256,23 @@ class KVCacheManager:
         if full <= settled:
             return
         hashes = self.block_hashes(request, full)
-        for i in range(settled, full):
-            self.pool.cache(table[i], hashes[i])
+        stored = [i for i in range(settled, full) if self.pool.cache(table[i], hashes[i])]
         self._num_settled[request.request_id] = full
+        if self.events is not None and stored:
+            self._announce_stored(request, hashes, stored)
+
+    def _announce_stored(self, request: Request, hashes: list[bytes], stored: list[int]) -> None:
+        """One `BlockStored` per run of consecutive block indices in `stored` (blocks whose
+        content another block already held are not stored, and split the runs)."""
+        size = self.block_size
+        start = 0
+        for k in range(1, len(stored) + 1):
+            if k == len(stored) or stored[k] != stored[k - 1] + 1:
+                first, last = stored[start], stored[k - 1] + 1
+                self.events.stored(  # type: ignore[union-attr]
+                    hashes[first:last], hashes[first - 1] if first else None,
+                    request.token_ids[first * size:last * size], size)
+                start = k
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash (blocks in use keep their K/V); returns how many."""

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from loom.core.scheduler import SchedulerConfig
+from loom.engine.kv_events import KVEventsConfig
 from loom.spec_decode import SpeculativeConfig
 
 
@@ -59,6 +60,11 @@ class EngineArgs:
     # kv_role="kv_both", kv_connector_extra_config={"shared_storage_path": "kv"}) or the
     # same as a dict (see loom.kv_connector.KVTransferConfig).
     kv_transfer_config: Any = None
+    # KV cache events in vLLM's wire format for KV-aware routers (llm-d, Dynamo, Ray), vLLM's
+    # form: {"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint":
+    # "tcp://*:5558", "topic": "kv-events"}, a JSON string of it, or a KVEventsConfig (see
+    # loom.engine.kv_events).
+    kv_events_config: Any = None
     # Attention kernels: "auto" (the C kernels on CPU, Triton's on CUDA), "torch" (the
     # reference), "cpu", "triton" (on a CPU only under TRITON_INTERPRET=1, for tests).
     attention_backend: str = "auto"
@@ -114,6 +120,7 @@ class EngineConfig:
     embedding_dimensions: tuple[int, ...] = ()
     kv_transfer: Any = None  # loom.kv_connector.KVTransferConfig, or None
     kv_cache_spec: Any = None  # loom.kv_connector.KVCacheSpec when kv_transfer is set
+    kv_events: KVEventsConfig | None = None  # None: no KV cache events
     special_kwargs: Any = None
     hooks: tuple[Any, ...] = ()
     mode_summary: str = ""  # e.g. "w8a8, kv float16, cpu avx2" (the start-up line)

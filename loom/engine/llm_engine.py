@@ -21,6 +21,7 @@ from loom.engine.config import EngineArgs, EngineConfig
 from loom.engine.engine_core import EngineCore
 from loom.engine.hooks import HookContext, PendingCall, SequenceHook
 from loom.engine.input_processor import InputProcessor
+from loom.engine.kv_events import KVEventStream, create_kv_event_stream
 from loom.engine.outputs import fill_decoded_tokens
 from loom.engine.pooling import EngineOutput, check_dimensions
 from loom.engine.promise_sync import PromiseSyncHook
@@ -59,6 +60,10 @@ class LLMEngine:
                 config.kv_transfer, config.kv_cache_spec, KVConnectorRole.SCHEDULER
             )
         self.scheduler = Scheduler(config.scheduler, self.kv_connector)
+        # KV cache events for KV-aware routers: bound now (a bad address fails the start),
+        # attached to the cache after the calibration, which leaves the cache empty.
+        self.kv_events: KVEventStream | None = create_kv_event_stream(config.kv_events,
+                                                                      config.device)
         self.eos_token_ids: set[int] = set(tokenizer.eos_token_ids) | set(config.eos_token_ids)
         hooks: list[SequenceHook] = list(config.hooks)
         if config.special_kwargs is not None:
@@ -89,6 +94,8 @@ class LLMEngine:
             self._persisted = PersistedSessions(self.session_store, self.sessions)
         if config.scheduler.max_step_ms is not None:  # the time budget holds from the start
             calibrate_step_cost(self)
+        if self.kv_events is not None:
+            self.scheduler.kv.attach_events(self.kv_events.collector)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -104,7 +111,10 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release the executor: under tensor parallelism, stop every worker process (also
-        done at interpreter exit). Later steps fail."""
+        done at interpreter exit), and the KV event publisher (its sockets are closed).
+        Later steps fail."""
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
         self.executor.shutdown()
 
     # ---- adding and removing ------------------------------------------------------------
@@ -192,6 +202,8 @@ class LLMEngine:
         embedding request's one output is an `EmbeddingRequestOutput`)."""
         self.sessions.expire_idle()
         outputs = self.core.step()
+        if self.kv_events is not None:  # the step's cache changes, as one batch
+            self.kv_events.flush()
         if self._persisted is not None:
             self._persisted.flush()
         fill_decoded_tokens(outputs, self._decode_token)
@@ -425,4 +437,7 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Forget every cached KV block hash (running requests keep their KV); later requests
         compute their prompts afresh. Returns how many blocks were forgotten."""
-        return self.scheduler.reset_prefix_cache()
+        count = self.scheduler.reset_prefix_cache()
+        if self.kv_events is not None:  # AllBlocksCleared goes out now, not with a next step
+            self.kv_events.flush()
+        return count

@@ -12,6 +12,7 @@ import torch
 from loom.core.kv_cache_manager import cdiv
 from loom.core.scheduler import SchedulerConfig
 from loom.engine.config import EngineArgs, EngineConfig
+from loom.engine.kv_events import KVEventsConfig
 from loom.engine.mode import (
     ExecutionMode,
     HostInfo,
@@ -147,6 +148,9 @@ def _build_model_parts(
     if args.kv_transfer_config is not None:
         kv_transfer = KVTransferConfig.coerce(args.kv_transfer_config)
         connector_class(kv_transfer)  # an unknown name or module fails before the model loads
+    kv_events = None
+    if args.kv_events_config is not None:
+        kv_events = KVEventsConfig.coerce(args.kv_events_config)
     tp = args.tensor_parallel_size
     if not isinstance(tp, int) or tp < 1:
         raise InvalidRequestError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
@@ -209,6 +213,7 @@ def _build_model_parts(
             tensor_parallel_size=tp,
         ),
         tensor_parallel_size=tp,
+        kv_events=kv_events,
     )
     assert cdiv(max_model_len, args.block_size) <= num_blocks
     graph_sizes = None if args.enforce_eager else graph_batch_sizes(

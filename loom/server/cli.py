@@ -23,7 +23,7 @@ SERVE_DEFAULT_MODEL = SMOLLM2_135M_INSTRUCT_ALIAS
 
 # Fields a flag cannot carry (Python objects); the server's flags cover what they do.
 _NOT_FLAGS = {"hooks", "special_kwargs"}
-_DICT_FIELDS = {"speculative_config", "kv_transfer_config"}
+_DICT_FIELDS = {"speculative_config", "kv_transfer_config", "kv_events_config"}
 
 
 def _flag(name: str) -> str:
