@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,14 +25,17 @@ from typing import Any
 import torch
 
 from loom.engine.config import EngineArgs, EngineConfig
+from loom.engine.engine_observer import EngineObserver
 from loom.engine.hooks import PendingCall
 from loom.engine.input_processor import InputProcessor
 from loom.engine.llm_engine import LLMEngine
 from loom.engine.outputs import OutputAccumulator, RequestOutput
 from loom.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput
+from loom.engine.readings import EngineReading, read_engine
 from loom.engine.session_snapshot import SessionSnapshot
 from loom.engine.session_store import SessionStore
 from loom.engine.sessions import Sample, SessionView
+from loom.engine.token_budget import TokenBudget
 from loom.errors import (
     EngineShutDownError,
     InvalidSessionStateError,
@@ -47,10 +51,18 @@ _ids = itertools.count()
 
 
 class AsyncLLMEngine:
-    """Coroutine versions of the engine's methods, with a background stepping loop."""
+    """Coroutine versions of the engine's methods, with a background stepping loop: the
+    in-process `EngineClient` (`loom/engine/client.py`). `replica` names it in readings
+    ("" for a server's one engine; a Ray replica's id behind Ray Serve). Generation is
+    counted from construction by an `EngineObserver` (`observe=False`: not counted), which
+    leaves the engine with this object."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, *, observe: bool = True, replica: str = "") -> None:
         self.engine = engine
+        self.replica = replica
+        self.observer = EngineObserver(engine) if observe else None
+        if self.observer is not None:
+            weakref.finalize(self, self.observer.detach)
         # Hooks' async calls (tool calls and the like) run on this event loop, not in a step.
         engine.run_async_calls_inline = False
         self._calls: set[asyncio.Task[None]] = set()
@@ -231,6 +243,15 @@ class AsyncLLMEngine:
         """Whether a request or session by this id is live (paused sessions included)."""
         return self.engine.is_live(request_id)
 
+    async def holds(self, request_id: str) -> bool:
+        """`is_live`, as the engine-client protocol asks it."""
+        return self.engine.is_live(request_id)
+
+    async def readings(self) -> list[EngineReading]:
+        """This engine's reading (read without the lock: see `loom/engine/readings.py`)."""
+        observed = self.observer.counts() if self.observer is not None else None
+        return [EngineReading(self.replica, read_engine(self.engine), observed)]
+
     def check_pooling_params(self, params: PoolingParams) -> None:
         """An `InvalidRequestError` naming `dimensions` when the model does not take them."""
         self.engine.check_pooling_params(params)
@@ -298,16 +319,18 @@ class AsyncLLMEngine:
     async def start_segment(
         self,
         request_id: str,
-        params_for: Callable[[int], SamplingParams],
+        params: SamplingParams,
         fragment: str | Sequence[int] | None = None,
         heal: bool = False,
+        budget: TokenBudget | None = None,
     ) -> tuple[SessionView, SamplingParams]:
         """Append `fragment` (if given) to a paused session and start a generation segment
         after it, in one engine call: no other call can run between the check, the append and
-        the start. `params_for(n)` gives the segment's parameters for a session of n tokens
-        (it may refuse them); it runs before anything is appended, except with `heal`, whose
-        length is known only after. Returns the session as the segment starts from, and the
-        parameters. A generating session is refused before anything changes."""
+        the start. With `budget`, the segment's max_tokens is the budget resolved for the
+        session's length after the fragment (`TokenBudget.resolve`, which may refuse it); it
+        is checked before anything is appended, except with `heal`, whose length is known
+        only after. Returns the session as the segment starts from, and the parameters. A
+        generating session is refused before anything changes."""
 
         def run() -> tuple[SessionView, SamplingParams]:
             view = self.engine.get_session(request_id)
@@ -316,20 +339,23 @@ class AsyncLLMEngine:
                     f"cannot start a segment on session {request_id!r}: it is generating; wait "
                     "for the segment to end or abort it"
                 )
-            params, appended = None, fragment
-            if fragment is None:
-                params = params_for(len(view.token_ids))
-            elif not heal:
-                # Tokenised here once, as append would (no BOS), to know the new length.
-                appended = self.engine.inputs.encode_fragment(request_id, fragment)
-                params = params_for(len(view.token_ids) + len(appended))
+            max_len = self.engine.config.max_model_len
+            appended, checked = fragment, params
+            if budget is not None and not heal:
+                if fragment is not None:
+                    # Tokenised here once, as append would (no BOS), to know the new length.
+                    appended = self.engine.inputs.encode_fragment(request_id, fragment)
+                # The first token is sampled after every token of the session.
+                length = len(view.token_ids) + len(appended or ()) + 1
+                checked = params.with_updates(max_tokens=budget.resolve(length, max_len))
             if appended is not None:
                 self.engine.append(request_id, appended, heal=heal)
                 view = self.engine.get_session(request_id)
-            if params is None:
-                params = params_for(len(view.token_ids))
-            self._drained(self.engine.resume)(request_id, params)
-            return view, params
+            if budget is not None and heal:
+                checked = params.with_updates(
+                    max_tokens=budget.resolve(len(view.token_ids) + 1, max_len))
+            self._drained(self.engine.resume)(request_id, checked)
+            return view, checked
 
         return await self._call(run)
 

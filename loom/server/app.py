@@ -1,4 +1,5 @@
-"""`build_app`: the FastAPI application of `loom serve` over an `AsyncLLMEngine`."""
+"""`build_app`: the FastAPI application of `loom serve` over an engine client (one engine in
+process, `AsyncLLMEngine`, or replicas behind Ray Serve, `RayEngineClient`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 import loom
-from loom.engine.async_engine import AsyncLLMEngine
+from loom.engine.client import EngineClient
 from loom.server import (
     embedding_routes,
     openai_routes,
@@ -26,9 +27,9 @@ from loom.server.state import ServerConfig, ServerState
 from loom.tokenizer import ChatTemplate
 
 
-def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
+def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     """The HTTP API: OpenAI's endpoints, sessions, health, version and metrics."""
-    from loom.server.metrics import ServerMetrics
+    from loom.server.metrics import MetricsExporter
 
     engine_config = engine.config
     # One template for the engine and every route: the server renders through the engine's
@@ -39,7 +40,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     state = ServerState(
         engine=engine,
         config=config,
-        metrics=ServerMetrics(engine.engine, config.served_model_name),
+        metrics=MetricsExporter(engine_config, config.served_model_name),
     )
     app = FastAPI(
         title="Loom", version=loom.__version__,
@@ -70,7 +71,7 @@ def build_app(engine: AsyncLLMEngine, config: ServerConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         """Prometheus metrics (engine gauges and counters, request histograms)."""
-        body, content_type = state.metrics.render()
+        body, content_type = state.metrics.render(await state.engine.readings())
         return Response(body, media_type=content_type)
 
     document_responses(app)

@@ -5,35 +5,26 @@ A metric vLLM also exports has vLLM's name (`vllm:`), type and labels (`model_na
 read vLLM; the router's older names (`vllm:gpu_cache_usage_perc`, `vllm:gpu_prefix_cache_*`)
 are exported beside the current ones. What only Loom has (paused and blocked sessions,
 queued prompt tokens, KV blocks, recomputed tokens, step times, the KV connector's
-counters) is under `loom:`. One registry per `ServerMetrics` (never the global one, so
-several servers or tests in one process do not collide). Two sources, both read at scrape
-time by a custom collector (`EngineCollector`):
+counters) is under `loom:`. One registry per exporter (never the global one, so several
+servers or tests in one process do not collide).
 
-- engine state: request counts by place in the scheduler, the KV pool, and the engine's own
-  counters. Nothing is cached, so nothing is stale, and no thread updates anything between
-  scrapes.
-- generation, counted where every request's tokens pass whatever route asked for them
-  (completions, chat, Responses, sessions, offline): an `EngineObserver`
-  (`loom.server.engine_observer`). Tokens, finished requests by reason, time to first
-  token and end-to-end latency (from when the engine accepted a request or began a
-  session's segment), inter-token latency, per-request sizes.
+A scrape exports the `EngineReading`s the engine client gives (`loom/engine/readings.py`):
+one for an in-process engine, one per replica behind Ray Serve. Each reading is an engine's
+state at scrape time (nothing is cached, so nothing is stale, and no thread updates
+anything between scrapes) and the generation its `EngineObserver` counted where every
+request's tokens pass (`loom/engine/engine_observer.py`: tokens, finished requests by
+reason, time to first token, end-to-end and inter-token latency, per-request sizes). With
+replicas, each series carries the replica's index as vLLM's `engine` label (as vLLM labels
+its data-parallel engines) and its Ray replica id as `replica`.
 
-Concurrency: the observer runs on the engine's step thread or under the async engine's
-lock (one writer at a time) and keeps plain counts a scrape copies. A scrape reads the
-engine WITHOUT the async engine's lock, possibly while a step runs in its worker thread:
-`read_engine` only takes `len()` of the scheduler's containers, copies the idle dict in one
-C-level call (`list(dict.values())`, atomic under the GIL; retried should a free-threaded
-build see the dict resized) and reads integer attributes. The numbers of one scrape may
-therefore mix before and after a step (a request counted neither running nor waiting for an
-instant); every value is clamped to its range, and a scrape never raises on account of a
-step.
+Every value is clamped to its range: a reading taken while a step runs may mix before and
+after it, and a scrape never raises on account of a step.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -43,123 +34,64 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
+from loom.engine.config import EngineConfig
+from loom.engine.engine_observer import EngineObserver, Histogram, ObservedGeneration
+from loom.engine.engine_observer import token_buckets as token_buckets
 from loom.engine.llm_engine import LLMEngine
-from loom.engine.stats import EngineStats
-from loom.server.engine_observer import EngineObserver
+from loom.engine.readings import NO_ENGINE, EngineReading, EngineSnapshot, read_engine
 
 VLLM, LOOM = "vllm:", "loom:"
-# vLLM's labels on every metric: the served model, and the engine's index (one engine here).
+# vLLM's labels on every metric: the served model, and the engine's index.
 LABELS: tuple[str, ...] = ("model_name", "engine")
-ENGINE_INDEX = "0"
+# With replicas, each series also names its replica.
+REPLICA_LABELS: tuple[str, ...] = (*LABELS, "replica")
 
 
-def token_buckets(max_value: int) -> list[float]:
-    """vLLM's 1-2-5 buckets (1, 2, 5, 10, 20, 50, ...) up to `max_value` inclusive."""
-    buckets: list[float] = []
-    exponent = 0
-    while True:
-        for mantissa in (1, 2, 5):
-            value = mantissa * 10**exponent
-            if value > max_value:
-                return buckets or [1.0]
-            buckets.append(float(value))
-        exponent += 1
+def _histogram(family: HistogramMetricFamily, labels: list[str], histogram: Histogram,
+               scale: float = 1.0) -> None:
+    """Add one labelled histogram (its bounds divided by `scale`) to `family`."""
+    buckets = [("+Inf" if bound == float("inf") else floatToGoString(bound / scale), count)
+               for bound, count in histogram.cumulative()]
+    family.add_metric(labels, buckets, histogram.sum / scale)
 
 
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """What one scrape reads from the engine (sequence counts, not caller request ids)."""
-
-    num_running: int
-    num_waiting: int
-    num_paused: int
-    num_blocked: int
-    stats: EngineStats
-    # Prompt, fragment and recompute tokens not computed yet (waiting and running ranges).
-    num_queued_prompt_tokens: int = 0
-    # (upper bound ms, steps at most that long), cumulative; the sum of the steps' ms.
-    step_time_buckets: tuple[tuple[float, int], ...] = ()
-    step_time_sum_ms: float = 0.0
-
-
-def read_engine(engine: LLMEngine) -> EngineSnapshot:
-    """Read the engine's gauges and counters through its API, without its lock (see the
-    module docstring)."""
-    load, steps = engine.load, engine.step_times
-    return EngineSnapshot(
-        num_running=load.num_running,
-        num_waiting=load.num_waiting,
-        num_paused=load.num_paused,
-        num_blocked=load.num_blocked,
-        stats=engine.stats,
-        num_queued_prompt_tokens=load.num_queued_prompt_tokens,
-        step_time_buckets=tuple(steps.cumulative()),
-        step_time_sum_ms=steps.sum_ms,
-    )
-
-
-_NO_ENGINE = EngineSnapshot(0, 0, 0, 0, EngineStats(**{f.name: 0 for f in fields(EngineStats)}))
-
-
-def observer_families(observer: EngineObserver, labels: list[str]) -> list[Metric]:
-    """The observer's counters and histograms as of now, under vLLM's names."""
-    out: list[Metric] = []
-    for name, doc, value in (
-            ("prompt_tokens", "Prompt tokens of the segments that produced a token.",
-             observer.prompt_tokens),
-            ("generation_tokens", "Generated tokens.", observer.generation_tokens)):
-        family = CounterMetricFamily(VLLM + name, doc, labels=list(LABELS))
-        family.add_metric(labels, value)
-        out.append(family)
-    success = CounterMetricFamily(VLLM + "request_success", "Finished requests by reason.",
-                                  labels=[*LABELS, "finished_reason"])
-    for reason, count in list(observer.finished.items()):
-        success.add_metric([*labels, reason], count)
-    out.append(success)
-    for buckets, name, doc in (
-            (observer.ttft, "time_to_first_token_seconds",
-             "Time from a request's (or a session segment's) start to its first token."),
-            (observer.e2e, "e2e_request_latency_seconds",
-             "Time from a request's (or a session segment's) start to its end."),
-            (observer.itl, "inter_token_latency_seconds", "Time between a request's tokens."),
-            (observer.tpot, "request_time_per_output_token_seconds",
-             "Per request: (last - first token time) / (generated tokens - 1)."),
-            (observer.decode_time, "request_decode_time_seconds",
-             "Per request: time from its first token to its last."),
-            (observer.request_prompt, "request_prompt_tokens", "Prompt tokens per request."),
-            (observer.request_generation, "request_generation_tokens",
-             "Generated tokens per request.")):
-        out.append(buckets.family(VLLM + name, doc, LABELS, labels))
-    return out
+# The observer's histograms: (attribute, vLLM's name, help).
+_OBSERVED_HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
+    ("ttft", "time_to_first_token_seconds",
+     "Time from a request's (or a session segment's) start to its first token."),
+    ("e2e", "e2e_request_latency_seconds",
+     "Time from a request's (or a session segment's) start to its end."),
+    ("itl", "inter_token_latency_seconds", "Time between a request's tokens."),
+    ("tpot", "request_time_per_output_token_seconds",
+     "Per request: (last - first token time) / (generated tokens - 1)."),
+    ("decode_time", "request_decode_time_seconds",
+     "Per request: time from its first token to its last."),
+    ("request_prompt", "request_prompt_tokens", "Prompt tokens per request."),
+    ("request_generation", "request_generation_tokens", "Generated tokens per request."),
+)
 
 
 class EngineCollector(Collector):
-    """Exports the engine's state at scrape time, and the observer's counts; optional groups
-    follow the engine's config."""
+    """Exports the readings `read` gives at scrape time (one per engine); optional groups
+    follow the engines' config."""
 
-    def __init__(
-        self,
-        engine: LLMEngine,
-        model_name: str,
-        read: Callable[[LLMEngine], EngineSnapshot] = read_engine,
-        observer: EngineObserver | None = None,
-    ) -> None:
-        self.engine = engine
-        self.labels = [model_name, ENGINE_INDEX]
+    def __init__(self, config: EngineConfig, model_name: str,
+                 read: Callable[[], Sequence[EngineReading]]) -> None:
+        self.model_name = model_name
         self.read = read
-        self.observer = observer
-        self.prefix_caching = engine.config.scheduler.enable_prefix_caching
-        self.spec_decode = engine.config.speculative is not None
-        self.kv_connector = engine.config.kv_transfer is not None
+        self.prefix_caching = config.scheduler.enable_prefix_caching
+        self.spec_decode = config.speculative is not None
+        self.kv_connector = config.kv_transfer is not None
 
     def describe(self) -> Iterable[Metric]:
-        """The families `collect` yields (their names are fixed by the engine's config)."""
-        return self._families(_NO_ENGINE)
+        """The families `collect` yields (their names are fixed by the engines' config)."""
+        return self._families([EngineReading("", NO_ENGINE)])
 
     def collect(self) -> Iterable[Metric]:
-        """One fresh reading of the engine."""
-        return self._families(self.read(self.engine))
+        """The readings of now."""
+        return self._families(list(self.read()))
 
     def _rows(self, snap: EngineSnapshot) -> list[tuple[str, str, str, float]]:
         """(kind, name, help, value) of each gauge ("g") and counter ("c", exposed with
@@ -235,29 +167,82 @@ class EngineCollector(Collector):
             ]  # fmt: skip
         return rows
 
-    def _families(self, snap: EngineSnapshot) -> list[Metric]:
-        families: list[Metric] = []
-        for kind, name, doc, value in self._rows(snap):
-            cls = CounterMetricFamily if kind == "c" else GaugeMetricFamily
-            family = cls(name, doc, labels=list(LABELS))
-            family.add_metric(self.labels, value)
-            families.append(family)
+    def _families(self, readings: list[EngineReading]) -> list[Metric]:
+        """One family per metric, one sample per engine (labelled by its index, and by its
+        replica where it has one)."""
+        replicas = any(r.replica for r in readings)
+        names = list(REPLICA_LABELS if replicas else LABELS)
+        labelled = [([self.model_name, str(index), *([r.replica] if replicas else [])], r)
+                    for index, r in enumerate(readings)]
+        families: dict[str, Metric] = {}
+        for labels, reading in labelled:
+            for kind, name, doc, value in self._rows(reading.snapshot):
+                if name not in families:
+                    cls = CounterMetricFamily if kind == "c" else GaugeMetricFamily
+                    families[name] = cls(name, doc, labels=names)
+                families[name].add_metric(labels, value)
+        out = list(families.values())
         steps = HistogramMetricFamily(
             LOOM + "step_time_seconds",
             "Wall time of the engine steps' forward passes (a running stream's gap between "
-            "tokens is about one step).", labels=list(LABELS))
-        buckets = [("+Inf" if bound == float("inf") else str(bound / 1000), n)
-                   for bound, n in snap.step_time_buckets] or [("+Inf", 0)]
-        steps.add_metric(self.labels, buckets, snap.step_time_sum_ms / 1000)
-        families.append(steps)
-        if self.observer is not None:
-            families += observer_families(self.observer, self.labels)
-        return families
+            "tokens is about one step).", labels=names)
+        for labels, reading in labelled:
+            snap = reading.snapshot
+            buckets = [("+Inf" if bound == float("inf") else str(bound / 1000), n)
+                       for bound, n in snap.step_time_buckets] or [("+Inf", 0)]
+            steps.add_metric(labels, buckets, snap.step_time_sum_ms / 1000)
+        out.append(steps)
+        observed = [(labels, r.observed) for labels, r in labelled if r.observed is not None]
+        if observed:
+            out += observed_families(observed, names)
+        return out
+
+
+def observed_families(observed: list[tuple[list[str], ObservedGeneration]],
+                      names: list[str]) -> list[Metric]:
+    """The observers' counters and histograms, under vLLM's names."""
+    out: list[Metric] = []
+    for attr, doc in (("prompt_tokens", "Prompt tokens of the segments that produced a token."),
+                      ("generation_tokens", "Generated tokens.")):
+        family = CounterMetricFamily(VLLM + attr, doc, labels=names)
+        for labels, counts in observed:
+            family.add_metric(labels, getattr(counts, attr))
+        out.append(family)
+    success = CounterMetricFamily(VLLM + "request_success", "Finished requests by reason.",
+                                  labels=[*names, "finished_reason"])
+    for labels, counts in observed:
+        for reason, count in counts.finished.items():
+            success.add_metric([*labels, reason], count)
+    out.append(success)
+    for attr, name, doc in _OBSERVED_HISTOGRAMS:
+        family = HistogramMetricFamily(VLLM + name, doc, labels=names)
+        for labels, counts in observed:
+            _histogram(family, labels, getattr(counts, attr))
+        out.append(family)
+    return out
+
+
+class MetricsExporter:
+    """A registry exporting the readings each scrape is given: `render(readings)`."""
+
+    def __init__(self, config: EngineConfig, model_name: str) -> None:
+        self._readings: list[EngineReading] = []
+        self.registry = CollectorRegistry()
+        self.collector = EngineCollector(config, model_name, lambda: self._readings)
+        self.registry.register(self.collector)
+
+    def render(self, readings: Sequence[EngineReading]) -> tuple[bytes, str]:
+        """The exposition body of these readings and its content type."""
+        self._readings = list(readings)
+        try:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        finally:
+            self._readings = []
 
 
 class ServerMetrics:
-    """The server's Prometheus registry: engine state at scrape time, and generation counted
-    by an `EngineObserver` on the engine's clock."""
+    """Metrics of one `LLMEngine` in this process: its state read at scrape time, and
+    generation counted by an `EngineObserver` of its own from now on."""
 
     def __init__(
         self,
@@ -267,14 +252,14 @@ class ServerMetrics:
         read: Callable[[LLMEngine], EngineSnapshot] = read_engine,
     ) -> None:
         self.engine = engine
-        self.model_name = model_name
-        self.registry = CollectorRegistry()
-        self.observer = EngineObserver(engine, token_buckets(engine.config.max_model_len))
+        self.observer = EngineObserver(engine)
         # The observer leaves the engine with this object (an engine outlives its servers).
         self.close = weakref.finalize(self, self.observer.detach)
-        self.collector = EngineCollector(engine, model_name, read, self.observer)
-        self.registry.register(self.collector)
+        self.exporter = MetricsExporter(engine.config, model_name)
+        self.registry = self.exporter.registry
+        self._read = read
 
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its content type, for `GET /metrics`."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        reading = EngineReading("", self._read(self.engine), self.observer.counts())
+        return self.exporter.render([reading])

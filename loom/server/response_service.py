@@ -109,7 +109,7 @@ class ResponseService:
         gone (expired, evicted, deleted meanwhile: each engine call may find it so) or has
         no block to spare for the copy."""
         engine, ids, rid = self.state.engine, turn.prompt_ids, turn.response_id
-        if not engine.is_live(previous.id):  # not restored from a store just to be forked
+        if not await engine.holds(previous.id):  # not restored from a store to be forked
             return False
         try:
             view = await engine.get_session(previous.id)
@@ -125,7 +125,7 @@ class ResponseService:
         except (InvalidRequestError, UnknownRequestError):
             return False
         try:
-            await engine.start_segment(rid, lambda _: params, ids[keep:] or None)
+            await engine.start_segment(rid, params, ids[keep:] or None)
         except BaseException:
             await asyncio.shield(self._close(rid))
             raise
@@ -183,6 +183,6 @@ class ResponseService:
 
     async def _close(self, session_id: str) -> None:
         engine = self.state.engine
-        if engine.is_live(session_id):
-            with contextlib.suppress(LoomError):
+        with contextlib.suppress(LoomError):
+            if await engine.holds(session_id):
                 await engine.close(session_id)

@@ -21,7 +21,7 @@ from typing import Any
 from loom.engine.outputs import OutputAccumulator, RequestOutput
 from loom.engine.sessions import SessionView
 from loom.errors import LoomError
-from loom.sampling_params import RequestOutputKind, SamplingParams
+from loom.sampling_params import RequestOutputKind
 from loom.server import tool_calls
 from loom.server.constraints import constrain, requested_constraint
 from loom.server.errors import APIError, from_loom_error
@@ -80,8 +80,14 @@ class SegmentRun:
             done = True
             raise from_loom_error(error) from None
         finally:
-            if not done and engine.is_live(sid):
-                await asyncio.shield(engine.stop_generation(sid))
+            if not done:
+                await asyncio.shield(self._stop(sid))
+
+    async def _stop(self, session_id: str) -> None:
+        """Stop the segment its reader left (the session stays, paused), if it is live."""
+        engine = self.state.engine
+        if await engine.holds(session_id):
+            await engine.stop_generation(session_id)
 
     def whole(self) -> dict[str, Any]:
         """The segment so far as one object (text, tokens, finish reason, tool calls,
@@ -138,9 +144,13 @@ class SessionService:
         state.check_model(body.model)
         prompt = state.prompt_or_messages(body.prompt, body.messages,
                                           body.add_generation_prompt, tools=body.tools)
-        # Count and reserve with no await in between: concurrent creations see each other.
-        owned = [sid for sid, key in state.session_owners.items() if key == owner
-                 and (sid in state.opening_sessions or state.engine.is_live(sid))]
+        # Forget this key's sessions that ended meanwhile, then count and reserve with no
+        # await in between: concurrent creations see each other.
+        for sid in [sid for sid, key in state.session_owners.items() if key == owner
+                    and sid not in state.opening_sessions]:
+            if not await state.engine.holds(sid):
+                state.session_owners.pop(sid, None)
+        owned = [sid for sid, key in state.session_owners.items() if key == owner]
         if len(owned) >= state.config.max_sessions_per_key:
             raise APIError(429, f"this API key has {len(owned)} open sessions, the most "
                                 f"allowed (--max-sessions-per-key="
@@ -165,7 +175,7 @@ class SessionService:
         after a restart); another key's session looks like a missing one."""
         state = self.state
         if not await state.owns_live_session(session_id, owner):
-            if not state.engine.is_live(session_id):
+            if not await state.engine.holds(session_id):
                 state.session_owners.pop(session_id, None)
             raise APIError(404, f"unknown session {session_id!r}", param="id",
                            code="session_not_found")
@@ -191,15 +201,16 @@ class SessionService:
         checked = await constrain(state, body.sampling_params(None, body.logprobs),
                                   constraint, where, tools)
 
-        def params_for(num_tokens: int) -> SamplingParams:
-            params = body.sampling_params(state.max_tokens(body.max_tokens, num_tokens + 1),
-                                          body.logprobs)
-            # Deltas: the segment's output is exactly what it generated, whatever a caller
-            # appends to the session meanwhile.
-            return params.with_updates(output_kind=RequestOutputKind.DELTA,
-                                       structured_outputs=checked.structured_outputs)
-
-        before, _ = await state.engine.start_segment(session_id, params_for, fragment, heal)
+        # Deltas: the segment's output is exactly what it generated, whatever a caller
+        # appends to the session meanwhile. Its max_tokens is resolved by the engine for the
+        # session's length (a 400 naming it, before anything is appended).
+        params = body.sampling_params(None, body.logprobs).with_updates(
+            output_kind=RequestOutputKind.DELTA, structured_outputs=checked.structured_outputs)
+        try:
+            before, _ = await state.engine.start_segment(session_id, params, fragment, heal,
+                                                         state.budget(body.max_tokens))
+        except LoomError as error:
+            raise from_loom_error(error) from None
         return SegmentRun(state, session_id, body, len(before.token_ids),
                           tools.names if tools.parses else None)
 

@@ -12,9 +12,10 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from loom.engine.async_engine import AsyncLLMEngine
+from loom.engine.client import EngineClient
 from loom.engine.outputs import RequestOutput
-from loom.errors import LoomError
+from loom.engine.token_budget import TokenBudget
+from loom.errors import ContextLengthError, LoomError
 from loom.sampling_params import RequestOutputKind, SamplingParams
 from loom.server.errors import APIError
 from loom.server.limits import check_api_key
@@ -56,11 +57,11 @@ class ServerConfig:
 
 @dataclass
 class ServerState:
-    """The engine, the model's chat template, metrics, and who owns which session."""
+    """The engine client, the model's chat template, metrics, and who owns which session."""
 
-    engine: AsyncLLMEngine
+    engine: EngineClient
     config: ServerConfig
-    metrics: Any = None  # loom.server.metrics.ServerMetrics
+    metrics: Any = None  # loom.server.metrics.MetricsExporter
     session_owners: dict[str, str] = field(default_factory=dict)
     # Sessions whose creation is under way: they count against their key's quota already,
     # so concurrent creations cannot pass the check together.
@@ -116,13 +117,13 @@ class ServerState:
     async def owns_live_session(self, session_id: str, key: str) -> bool:
         """Whether `key` owns a live session by this id; a session a KV store kept across a
         restart is restored here when its stored owner is `key`."""
-        if self.session_owners.get(session_id) == key and self.engine.is_live(session_id):
+        if self.session_owners.get(session_id) == key and await self.engine.holds(session_id):
             return True
         store = self.engine.session_store
         if session_id in self.session_owners or store is None \
                 or store.get_record(_OWNER_RECORD, session_id) != key_digest(key):
             return False
-        if not self.engine.is_live(session_id):
+        if not await self.engine.holds(session_id):
             try:
                 await self.engine.restore_session(session_id)
             except LoomError:
@@ -137,27 +138,20 @@ class ServerState:
                                 f"{self.config.served_model_name!r}", param="model",
                            code="model_not_found")
 
+    def budget(self, requested: int | None) -> TokenBudget:
+        """A request's max_tokens as asked, under this server's cap (the engine resolves it
+        for a session's length: `EngineClient.start_segment`)."""
+        return TokenBudget(requested, self.config.max_tokens_cap)
+
     def max_tokens(self, requested: int | None, prompt_len: int) -> int:
-        """The request's max_tokens: the cap and the context left after the prompt bound it;
-        asking for more than either is a 400 naming max_tokens."""
-        room = self.max_model_len - prompt_len
-        if room < 1:
-            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context "
-                                f"limit is {self.max_model_len} tokens", param="prompt",
-                           code="context_length_exceeded")
-        cap = self.config.max_tokens_cap
-        limit = room if cap is None else min(room, cap)
-        if requested is None:
-            return limit
-        if cap is not None and requested > cap:
-            raise APIError(400, f"max_tokens={requested} exceeds this server's cap of {cap}",
-                           param="max_tokens")
-        if requested > room:
-            raise APIError(400, f"this model's context limit is {self.max_model_len} tokens: "
-                                f"{prompt_len} in the prompt leave {room} for max_tokens, "
-                                f"{requested} requested", param="max_tokens",
-                           code="context_length_exceeded")
-        return requested
+        """The request's max_tokens: the cap and the context left after the prompt bound it
+        (`TokenBudget.resolve`); asking for more than either is a 400 naming max_tokens."""
+        try:
+            return self.budget(requested).resolve(prompt_len, self.max_model_len)
+        except LoomError as error:
+            raise APIError(400, str(error), param=error.param,
+                           code="context_length_exceeded"
+                           if isinstance(error, ContextLengthError) else None) from None
 
     def prompt_or_messages(
         self, prompt: str | list[int] | None, messages: Sequence[Any] | None,

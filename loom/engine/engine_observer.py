@@ -1,4 +1,4 @@
-"""`EngineObserver`: generation counted at the engine's output side, for `GET /metrics`.
+"""`EngineObserver`: generation counted at the engine's output side (exported by `GET /metrics`).
 
 Every request's tokens pass the engine whatever route asked for them (completions, chat,
 Responses, sessions, offline): a sequence hook sees each sampled token, and the sequence
@@ -22,9 +22,6 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-from prometheus_client.core import HistogramMetricFamily
-from prometheus_client.utils import floatToGoString
 
 from loom.engine.hooks import HookContext, SequenceHook
 from loom.engine.llm_engine import LLMEngine
@@ -51,9 +48,41 @@ E2E_BUCKETS: tuple[float, ...] = (
 )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Histogram:
+    """A histogram's counts at one moment: per bound (Prometheus' `le`), then above every
+    bound; and the sum of the values. Plain data: it crosses processes (a replica's reading)."""
+
+    bounds: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum: float
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(bound, values at most that), the last bound +inf."""
+        running, out = 0, []
+        for bound, count in zip([*self.bounds, float("inf")], self.counts, strict=True):
+            running += count
+            out.append((bound, running))
+        return out
+
+
+def token_buckets(max_value: int) -> list[float]:
+    """vLLM's 1-2-5 buckets (1, 2, 5, 10, 20, 50, ...) up to `max_value` inclusive (the
+    bounds of the per-request token histograms)."""
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets or [1.0]
+            buckets.append(float(value))
+        exponent += 1
+
+
 class Buckets:
     """A histogram as plain counts: an observation is a bisect and two additions (cheap on
-    the engine's step thread); exported as a family at scrape time."""
+    the engine's step thread)."""
 
     def __init__(self, bounds: Sequence[float]) -> None:
         self.bounds = tuple(bounds)
@@ -65,18 +94,25 @@ class Buckets:
         self.counts[bisect_left(self.bounds, value)] += 1
         self.sum += value
 
-    def family(self, name: str, doc: str, label_names: Sequence[str],
-               labels: list[str]) -> HistogramMetricFamily:
-        """The cumulative exposition of the counts so far."""
-        counts, total, running = list(self.counts), self.sum, 0
-        buckets = []
-        for bound, count in zip([*map(floatToGoString, self.bounds), "+Inf"], counts,
-                                strict=True):
-            running += count
-            buckets.append((bound, running))
-        family = HistogramMetricFamily(name, doc, labels=list(label_names))
-        family.add_metric(labels, buckets, total)
-        return family
+    def histogram(self) -> Histogram:
+        """The counts so far, copied."""
+        return Histogram(self.bounds, tuple(self.counts), self.sum)
+
+
+@dataclass(frozen=True)
+class ObservedGeneration:
+    """An `EngineObserver`'s counts at one moment (see its docstring for what each counts)."""
+
+    prompt_tokens: int
+    generation_tokens: int
+    finished: dict[str, int]
+    ttft: Histogram
+    e2e: Histogram
+    itl: Histogram
+    tpot: Histogram
+    decode_time: Histogram
+    request_prompt: Histogram
+    request_generation: Histogram
 
 
 @dataclass
@@ -104,7 +140,9 @@ class EngineObserver(SequenceHook):
     would), generated tokens as they come, and each finished sequence once by its reason.
     The tokens of a request tree's children count; the children are not requests."""
 
-    def __init__(self, engine: LLMEngine, token_bins: Sequence[float]) -> None:
+    def __init__(self, engine: LLMEngine, token_bins: Sequence[float] | None = None) -> None:
+        if token_bins is None:
+            token_bins = token_buckets(engine.config.max_model_len)
         self.engine = engine
         self.table = engine.table
         self.prompt_tokens = 0
@@ -121,6 +159,15 @@ class EngineObserver(SequenceHook):
         engine.hooks.append(self)
         self.table.on_session_paused.append(self._on_paused)
         self.table.on_group_ended.append(self._on_group_ended)
+
+    def counts(self) -> ObservedGeneration:
+        """What was observed so far, copied (a scrape reads it while steps run: each
+        histogram is copied whole, one at a time)."""
+        return ObservedGeneration(
+            self.prompt_tokens, self.generation_tokens, dict(self.finished),
+            self.ttft.histogram(), self.e2e.histogram(), self.itl.histogram(),
+            self.tpot.histogram(), self.decode_time.histogram(),
+            self.request_prompt.histogram(), self.request_generation.histogram())
 
     def clock(self) -> float:
         """Now, on the engine's clock (the one that stamps segments' starts)."""
