@@ -38,7 +38,6 @@ from loom.engine.sessions import Sample, SessionView
 from loom.engine.token_budget import TokenBudget
 from loom.errors import (
     EngineShutDownError,
-    InvalidSessionStateError,
     LoomError,
     SessionClosedError,
     UnknownRequestError,
@@ -323,49 +322,35 @@ class AsyncLLMEngine:
         fragment: str | Sequence[int] | None = None,
         heal: bool = False,
         budget: TokenBudget | None = None,
-    ) -> tuple[SessionView, SamplingParams]:
+    ) -> SessionView:
         """Append `fragment` (if given) to a paused session and start a generation segment
-        after it, in one engine call: no other call can run between the check, the append and
-        the start. With `budget`, the segment's max_tokens is the budget resolved for the
-        session's length after the fragment (`TokenBudget.resolve`, which may refuse it); it
-        is checked before anything is appended, except with `heal`, whose length is known
-        only after. Returns the session as the segment starts from, and the parameters. A
-        generating session is refused before anything changes."""
+        after it, in one engine call (`SessionManager.append` with parameters, or `resume`):
+        every check, the budget's included (`TokenBudget`: the segment's max_tokens for the
+        session's length after the fragment), comes before anything changes. Returns the
+        session as the segment starts from."""
 
-        def run() -> tuple[SessionView, SamplingParams]:
-            view = self.engine.get_session(request_id)
-            if view.generating:
-                raise InvalidSessionStateError(
-                    f"cannot start a segment on session {request_id!r}: it is generating; wait "
-                    "for the segment to end or abort it"
-                )
-            max_len = self.engine.config.max_model_len
-            appended, checked = fragment, params
-            if budget is not None and not heal:
-                if fragment is not None:
-                    # Tokenised here once, as append would (no BOS), to know the new length.
-                    appended = self.engine.inputs.encode_fragment(request_id, fragment)
-                # The first token is sampled after every token of the session.
-                length = len(view.token_ids) + len(appended or ()) + 1
-                checked = params.with_updates(max_tokens=budget.resolve(length, max_len))
-            if appended is not None:
-                self.engine.append(request_id, appended, heal=heal)
-                view = self.engine.get_session(request_id)
-            if budget is not None and heal:
-                checked = params.with_updates(
-                    max_tokens=budget.resolve(len(view.token_ids) + 1, max_len))
-            self._drained(self.engine.resume)(request_id, checked)
-            return view, checked
+        def run() -> SessionView:
+            sessions = self.engine.sessions
+            self._drop_queued(request_id)
+            if fragment is None:
+                sessions.resume(request_id, params, budget)
+            else:
+                sessions.append(request_id, fragment, params, heal=heal, budget=budget)
+            return sessions.get_session(request_id)
 
         return await self._call(run)
+
+    def _drop_queued(self, request_id: str) -> None:
+        """Drop a request's queued outputs of earlier segments (a new segment starts)."""
+        queue = self._queues.get(request_id)
+        while queue is not None and not queue.empty():
+            queue.get_nowait()
 
     def _drained(self, fn: Any) -> Any:
         """`fn` preceded by dropping the request's queued outputs of earlier segments."""
 
         def run(request_id: str, *args: Any, **kwargs: Any) -> Any:
-            queue = self._queues.get(request_id)
-            while queue is not None and not queue.empty():
-                queue.get_nowait()
+            self._drop_queued(request_id)
             return fn(request_id, *args, **kwargs)
 
         return run

@@ -88,13 +88,11 @@ class EngineClient(Protocol):
 
     async def start_segment(self, request_id: str, params: SamplingParams,
                             fragment: str | Sequence[int] | None = None, heal: bool = False,
-                            budget: TokenBudget | None = None,
-                            ) -> tuple[SessionView, SamplingParams]:
+                            budget: TokenBudget | None = None) -> SessionView:
         """Append `fragment` (if given) to a paused session and start a generation segment
         after it, in one engine call. With `budget`, the segment's `max_tokens` is the
-        budget resolved for the session's length after the fragment (refused before
-        anything is appended, except with `heal`). Returns the session as the segment
-        starts from and the parameters it runs with."""
+        budget resolved for the session's length after the fragment. Every refusal comes
+        before anything changes. Returns the session as the segment starts from."""
         ...
 
     async def fork_session(self, request_id: str, new_id: str, num_tokens: int | None = None,

@@ -22,6 +22,7 @@ from loom.engine.sequence import SequenceState
 from loom.engine.sequence_table import SequenceTable
 from loom.engine.session_snapshot import SessionSnapshot
 from loom.engine.token_appender import TokenAppender
+from loom.engine.token_budget import TokenBudget
 from loom.errors import (
     InvalidRequestError,
     InvalidSessionStateError,
@@ -107,6 +108,7 @@ class SessionManager:
         sampling_params: SamplingParams | None = None,
         *,
         heal: bool = False,
+        budget: TokenBudget | None = None,
     ) -> int:
         """Append a fragment (text or token ids) after every token so far; returns its length.
 
@@ -115,9 +117,14 @@ class SessionManager:
         compute the fragment and stay paused with new last logits, unless `sampling_params`
         is given, which starts a new generation segment after it. Text is tokenised on its
         own (no BOS); `heal=True` re-tokenises the last few tokens together with the text and
-        rewinds only the tokens that change.
+        rewinds only the tokens that change. With `budget`, the segment's max_tokens is the
+        budget resolved for the session's length after the fragment. Every check (a
+        generating session refused a new segment, the budget included) comes before anything
+        changes.
         """
         seq = self._fragment_target(request_id, sampling_params, heal)
+        if sampling_params is not None:
+            self._require_paused(seq, "start a segment on")
         request = seq.request
         if heal:
             if not isinstance(fragment, str):
@@ -132,6 +139,7 @@ class SessionManager:
             keep, new_ids = request.num_tokens, self.inputs.encode_fragment(request_id, fragment)
         self.inputs.check_length(request_id, keep + len(new_ids))
         if sampling_params is not None:
+            sampling_params = self._budgeted(sampling_params, budget, keep + len(new_ids))
             self.inputs.check_params(request_id, sampling_params)
         if keep < request.num_tokens:
             self._require_paused(seq, "heal")
@@ -143,13 +151,17 @@ class SessionManager:
             self.table.start_segment(seq, sampling_params)
         return len(new_ids)
 
-    def resume(self, request_id: str, sampling_params: SamplingParams) -> None:
+    def resume(self, request_id: str, sampling_params: SamplingParams,
+               budget: TokenBudget | None = None) -> SamplingParams:
         """Start a generation segment on a paused session; its first token comes from the
         stored logits without a model call, or, while its last tokens are still uncomputed (a
-        fragment just appended), from the step that computes them."""
+        fragment just appended), from the step that computes them. With `budget`, its
+        max_tokens is the budget resolved for the session's length. Returns the parameters
+        it runs with."""
         seq = self._session(request_id)
         self._require_paused(seq, "resume")
         self.inputs.check_length(request_id, seq.request.num_tokens + 1)
+        sampling_params = self._budgeted(sampling_params, budget, seq.request.num_tokens)
         self.inputs.check_params(request_id, sampling_params)
         self.table.start_segment(seq, sampling_params)
         if seq.last_logits is not None:
@@ -157,6 +169,16 @@ class SessionManager:
             if failed:  # the segment ended at once; the session is as it was
                 raise InvalidRequestError(failed[seq.group_id])
         self.table.wake(seq)
+        return sampling_params
+
+    def _budgeted(self, params: SamplingParams, budget: TokenBudget | None,
+                  num_tokens: int) -> SamplingParams:
+        """`params` with max_tokens from `budget` for a session of `num_tokens` tokens (its
+        first token is sampled after all of them)."""
+        if budget is None:
+            return params
+        limit = budget.resolve(num_tokens + 1, self.inputs.max_model_len)
+        return params.with_updates(max_tokens=limit)
 
     def stop_generation(self, request_id: str) -> bool:
         """End a generating session's segment now, as a stop condition would (its caller went

@@ -207,7 +207,7 @@ class SessionService:
         params = body.sampling_params(None, body.logprobs).with_updates(
             output_kind=RequestOutputKind.DELTA, structured_outputs=checked.structured_outputs)
         try:
-            before, _ = await state.engine.start_segment(session_id, params, fragment, heal,
+            before = await state.engine.start_segment(session_id, params, fragment, heal,
                                                          state.budget(body.max_tokens))
         except LoomError as error:
             raise from_loom_error(error) from None
