@@ -34,9 +34,11 @@ MAX_ONGOING_REQUESTS = 1000
 ROUTING_STATS_PERIOD_S = 0.5
 
 
-def engine_deployment(replicas: int, threads: int, *, imbalance_threshold: int = 8,
+def engine_deployment(replicas: int, threads: int, *, num_cpus: float | None = None,
+                      imbalance_threshold: int = 8,
                       graceful_shutdown_timeout_s: float = 30.0) -> Any:
-    """`EngineReplica` as a Serve deployment of `replicas` replicas with Loom's router."""
+    """`EngineReplica` as a Serve deployment of `replicas` replicas with Loom's router, each
+    reserving `num_cpus` of Ray's CPUs (default: `threads`)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -45,7 +47,7 @@ def engine_deployment(replicas: int, threads: int, *, imbalance_threshold: int =
         max_ongoing_requests=MAX_ONGOING_REQUESTS,
         graceful_shutdown_timeout_s=graceful_shutdown_timeout_s,
         graceful_shutdown_wait_loop_s=0.5,
-        ray_actor_options={"num_cpus": threads, "runtime_env": {
+        ray_actor_options={"num_cpus": threads if num_cpus is None else num_cpus, "runtime_env": {
             "env_vars": {"OMP_NUM_THREADS": str(threads)}}},
         request_router_config=RequestRouterConfig(
             request_router_class=f"{LoomRequestRouter.__module__}.{LoomRequestRouter.__qualname__}",
@@ -58,10 +60,12 @@ def engine_deployment(replicas: int, threads: int, *, imbalance_threshold: int =
 
 def start_replicas(engine_args: EngineArgs, replicas: int, ray_address: str | None = None,
                    *, app_name: str = DEFAULT_APP, threads: int | None = None,
+                   num_cpus: float | None = None,
                    imbalance_threshold: int = 8, graceful_shutdown_timeout_s: float = 30.0,
                    start_timeout_s: float = 600.0) -> RayEngineClient:
     """Deploy `replicas` engines and return the client over them (see the module
-    docstring). `threads`: compute threads per replica (default: the cores / replicas)."""
+    docstring). `threads`: compute threads per replica (default: the cores / replicas);
+    `num_cpus`: Ray CPUs each replica reserves (default: `threads`)."""
     try:
         import ray
         from ray import serve
@@ -87,7 +91,8 @@ def start_replicas(engine_args: EngineArgs, replicas: int, ray_address: str | No
     serve.start(proxy_location=ProxyLocation.Disabled)
     directory = directory_actor(app_name)
     began = time.monotonic()
-    deployment = engine_deployment(replicas, threads, imbalance_threshold=imbalance_threshold,
+    deployment = engine_deployment(replicas, threads, num_cpus=num_cpus,
+                                   imbalance_threshold=imbalance_threshold,
                                    graceful_shutdown_timeout_s=graceful_shutdown_timeout_s)
     handle = serve.run(deployment.bind(engine_args, app_name, threads), name=app_name,
                        route_prefix=None, blocking=False)

@@ -91,6 +91,9 @@ class RayEngineClient:
         from loom.tokenizer import load_tokenizer
 
         self._handle = handle
+        # One handle per kind of call, made once (Serve gives each its router).
+        self._calls = handle.options(method_name="call")
+        self._streams = handle.options(method_name="stream", stream=True)
         self.app_name = app_name
         self.deployment = deployment
         self.pins = pins
@@ -197,7 +200,7 @@ class RayEngineClient:
         if self._closed is not None:
             raise self._closed
         route = route or await self._route(named, prompt)
-        method = self._handle.options(method_name="call")
+        method = self._calls
         for attempt in range(2):
             try:
                 served: Served = await method.remote(op, args, kwargs, route=route)
@@ -210,6 +213,11 @@ class RayEngineClient:
                         f"no replica could take {op} for {named!r}: {error}") from None
                 route = replace(route, avoid=tuple(self.pins.known_gone()))
                 continue
+            if (served.draining and isinstance(served.error, ReplicaUnavailableError)
+                    and route.replica is None and not attempt):
+                await self.pins.mark_gone(served.replica, "draining")
+                route = replace(route, avoid=tuple(self.pins.known_gone()))
+                continue  # refused by a draining replica: once more, elsewhere
             if served.error is not None:
                 raise served.error
             return served
@@ -315,8 +323,7 @@ class RayEngineClient:
         a replica dying under it ends it with `ReplicaUnavailableError`."""
         if self._closed is not None:
             raise self._closed
-        stream = self._handle.options(method_name="stream", stream=True).remote(
-            op, args, None, route=route)
+        stream = self._streams.remote(op, args, None, route=route)
         try:
             async for served in stream:
                 if served.error is not None:

@@ -57,11 +57,13 @@ DRAIN_POLL_S = 0.2
 
 @dataclass(frozen=True)
 class Served:
-    """A replica's answer: who served it, and the value or the error."""
+    """A replica's answer: who served it, the value or the error, and whether the replica
+    is draining (a refusal then means: retry on another replica)."""
 
     replica: str
     value: Any = None
     error: LoomError | None = None
+    draining: bool = False
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,8 @@ class EngineReplica:
             self._note(op, args, named)
             return Served(self.replica_id, value)
         except LoomError as error:
-            return Served(self.replica_id, error=self._explain(error, op, args, route))
+            return Served(self.replica_id, error=self._explain(error, op, args, route),
+                          draining=self._draining is not None)
 
     async def stream(self, op: str, args: tuple[Any, ...] = (),
                      kwargs: dict[str, Any] | None = None, *,
@@ -182,7 +185,8 @@ class EngineReplica:
                 async for out in source:
                     yield Served(self.replica_id, out)
         except LoomError as error:
-            yield Served(self.replica_id, error=self._explain(error, op, args, route))
+            yield Served(self.replica_id, error=self._explain(error, op, args, route),
+                         draining=self._draining is not None)
 
     def _admit(self, op: str, route: Route) -> None:
         if op not in CALLS and op not in STREAMS and op != "drain":

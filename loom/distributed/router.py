@@ -14,11 +14,14 @@ own (`loom.distributed.live` holds what clients read).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from loom.distributed.routing import Route, RoutingPolicy
+
+logger = logging.getLogger(__name__)
 
 
 def replica_load(stats: dict[str, Any] | None) -> int:
@@ -35,7 +38,10 @@ class LoomRequestRouter(RequestRouter):
 
     def initialize_state(self, imbalance_threshold: int = 8, prefix_memory: int = 4096,
                          **_: Any) -> None:
-        self.policy = RoutingPolicy(imbalance_threshold, prefix_memory)
+        from loom.distributed.live import shared_policy
+
+        self.policy = shared_policy(self._deployment_id.app_name, self._deployment_id.name,
+                                    imbalance_threshold, prefix_memory)
         self._stats_seen: dict[str, int] = {}
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -47,7 +53,7 @@ class LoomRequestRouter(RequestRouter):
             self._stats_seen.pop(gone, None)
         from loom.distributed.live import publish_running
 
-        publish_running(self._deployment_id.app_name, self._deployment_id.name, ids)
+        publish_running(self._deployment_id.app_name, self._deployment_id.name, id(self), ids)
 
     def _policy(self) -> RoutingPolicy:
         if not hasattr(self, "policy"):  # initialize_state not called (no kwargs given)
@@ -71,4 +77,5 @@ class LoomRequestRouter(RequestRouter):
         if pending_request is not None:
             route = pending_request.kwargs.get("route")
         decision = policy.choose(route if isinstance(route, Route) else Route(), loads)
+        logger.debug("route %s, loads %s: %s", route, loads, decision)
         return [] if decision is None else [[by_id[decision.replica]]]
