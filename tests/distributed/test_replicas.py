@@ -144,7 +144,7 @@ def test_a_replica_shut_down_by_serve_ends_its_segment_and_new_requests_move(sto
     async def scenario():
         # A replica that is not drained: the one killed above is replaced by Serve.
         deadline = time.monotonic() + 60
-        while not set(stored.running_replicas()) - set(stored.pins.known_gone()):
+        while not {r.replica for r in await stored.readings()} - set(stored.pins.known_gone()):
             assert time.monotonic() < deadline, "Serve did not replace the killed replica"
             await asyncio.sleep(0.1)
         await stored.add_request("stop-a", [3, 9, 5, 6, 7], None, session=True)
