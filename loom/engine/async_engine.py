@@ -326,11 +326,12 @@ class AsyncLLMEngine:
         """Append `fragment` (if given) to a paused session and start a generation segment
         after it, in one engine call (`SessionManager.append` with parameters, or `resume`):
         every check, the budget's included (`TokenBudget`: the segment's max_tokens for the
-        session's length after the fragment), comes before anything changes. Returns the
-        session as the segment starts from."""
+        session's length after the fragment), comes before anything changes; a generating
+        session is refused. Returns the session as the segment starts from."""
 
         def run() -> SessionView:
             sessions = self.engine.sessions
+            sessions.require_paused(request_id, "start a segment on")
             self._drop_queued(request_id)
             if fragment is None:
                 sessions.resume(request_id, params, budget)

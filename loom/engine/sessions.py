@@ -118,13 +118,10 @@ class SessionManager:
         is given, which starts a new generation segment after it. Text is tokenised on its
         own (no BOS); `heal=True` re-tokenises the last few tokens together with the text and
         rewinds only the tokens that change. With `budget`, the segment's max_tokens is the
-        budget resolved for the session's length after the fragment. Every check (a
-        generating session refused a new segment, the budget included) comes before anything
-        changes.
+        budget resolved for the session's length after the fragment. Every check, the
+        budget's included, comes before anything changes.
         """
         seq = self._fragment_target(request_id, sampling_params, heal)
-        if sampling_params is not None:
-            self._require_paused(seq, "start a segment on")
         request = seq.request
         if heal:
             if not isinstance(fragment, str):
@@ -365,6 +362,10 @@ class SessionManager:
             self.table.end_group(group, "expired", RequestStatus.FINISHED_ABORTED)
 
     # ---- helpers ---------------------------------------------------------------------
+
+    def require_paused(self, request_id: str, op: str) -> None:
+        """An `InvalidSessionStateError` naming `op` unless the session is paused."""
+        self._require_paused(self._session(request_id), op)
 
     def _require_paused(self, seq: SequenceState, op: str) -> None:
         if seq.generating:
