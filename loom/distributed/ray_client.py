@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import itertools
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -38,6 +37,7 @@ from loom.distributed.directory import Pins
 from loom.distributed.live import running_replicas
 from loom.distributed.replica import ReplicaInfo, Served
 from loom.distributed.routing import Route, prefix_hashes
+from loom.engine.client import call_scope, current_scope
 from loom.engine.config import EngineConfig
 from loom.engine.input_processor import InputProcessor
 from loom.engine.outputs import RequestOutput
@@ -52,9 +52,13 @@ from loom.sampling_params import SamplingParams
 from loom.tokenizer import Tokenizer
 
 _ids = itertools.count()
-# The affinity key of the new requests made in this context (`RayEngineClient.routed_by`).
-_affinity: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "loom_affinity", default=None)
+
+
+def _affinity() -> str | None:
+    """The affinity key of the new requests made in this context (`call_scope`)."""
+    scope = current_scope()
+    return scope.affinity if scope is not None else None
+
 # How many ids `replica_of` remembers after their pins are gone.
 _SERVED_MEMORY = 10_000
 
@@ -150,13 +154,13 @@ class RayEngineClient:
     def routed_by(key: str | None) -> Iterator[None]:
         """New requests made inside go to the replica pinned to `key` (pinned to the first
         one's replica), as if `key` were a session they belong to."""
-        token = _affinity.set(key)
-        try:
+        with call_scope(key):
             yield
-        finally:
-            _affinity.reset(token)
 
     def _remember(self, request_id: str, replica: str) -> None:
+        scope = current_scope()
+        if scope is not None:
+            scope.note_served(replica)
         self._served[request_id] = replica
         self._served.move_to_end(request_id)
         while len(self._served) > _SERVED_MEMORY:
@@ -173,7 +177,7 @@ class RayEngineClient:
 
     async def _route(self, named: str | None, prompt: Any = None) -> Route:
         holder = await self.pins.lookup(named) if named is not None else None
-        key = _affinity.get()
+        key = _affinity()
         if holder is None and key is not None:
             holder = await self.pins.lookup(key)
         return Route(request=named, holder=holder,
@@ -186,7 +190,7 @@ class RayEngineClient:
             self._remember(named, replica)
             if route.holder != replica:  # moved, or first seen (restored from the store)
                 await self.pins.pin(named, replica)
-        key = _affinity.get()
+        key = _affinity()
         if key is not None and route.holder is None:
             await self.pins.pin(key, replica)
 
@@ -239,7 +243,7 @@ class RayEngineClient:
                                   kwargs, named=request_id, route=route)
         self._remember(request_id, served.replica)
         await self.pins.pin(request_id, served.replica)
-        key = _affinity.get()
+        key = _affinity()
         if key is not None and route.holder is None:
             await self.pins.pin(key, served.replica)
 
@@ -252,8 +256,7 @@ class RayEngineClient:
 
     async def start_segment(self, request_id: str, params: SamplingParams,
                             fragment: str | Sequence[int] | None = None, heal: bool = False,
-                            budget: TokenBudget | None = None,
-                            ) -> tuple[SessionView, SamplingParams]:
+                            budget: TokenBudget | None = None) -> SessionView:
         return await self._named_call("start_segment", request_id, params, fragment,
                                       heal=heal, budget=budget)
 

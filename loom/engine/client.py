@@ -20,7 +20,10 @@ config, its context limit, and the session store where sessions and records are 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -36,6 +39,42 @@ if TYPE_CHECKING:
     from loom.pooling_params import PoolingParams
     from loom.sampling_params import SamplingParams
     from loom.tokenizer import Tokenizer
+
+
+@dataclass
+class CallScope:
+    """What the engine calls made in one context (one HTTP request, say) share: an affinity
+    key (new requests made under one key reach the engine the key is pinned to, where there
+    are several, as a session's calls do: vLLM's and Ray Serve's `x-session-id`), and the
+    replicas that served them, in order (a server names the last in a response header).
+    One engine in process serves everything and notes nothing."""
+
+    affinity: str | None = None
+    served: list[str] = field(default_factory=list)
+
+    def note_served(self, replica: str) -> None:
+        """A call of this scope was served by `replica`."""
+        if not self.served or self.served[-1] != replica:
+            self.served.append(replica)
+
+
+_scope: ContextVar[CallScope | None] = ContextVar("loom_call_scope", default=None)
+
+
+@contextlib.contextmanager
+def call_scope(affinity: str | None = None) -> Iterator[CallScope]:
+    """The calls made inside (and in tasks started inside) share a new `CallScope`."""
+    scope = CallScope(affinity)
+    token = _scope.set(scope)
+    try:
+        yield scope
+    finally:
+        _scope.reset(token)
+
+
+def current_scope() -> CallScope | None:
+    """The `CallScope` of the calls made here (None outside any)."""
+    return _scope.get()
 
 
 @runtime_checkable

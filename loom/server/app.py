@@ -19,6 +19,7 @@ from loom.server import (
     session_socket,
 )
 from loom.server.api_docs import document_responses
+from loom.server.engine_scope import EngineScope
 from loom.server.errors import install_error_handlers
 from loom.server.limits import BodySizeLimit, JSONBodies
 from loom.server.response_service import ResponseService
@@ -77,6 +78,7 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     document_responses(app)
 
     # The last added is the outermost: CORS headers reach every answer, a 413 included.
+    app.add_middleware(EngineScope)
     app.add_middleware(JSONBodies)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_body_bytes)
     if config.allowed_origins:

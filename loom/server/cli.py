@@ -14,6 +14,7 @@ from loom.engine.config import EngineArgs
 from loom.loader.resolve import SMOLLM2_135M_INSTRUCT_ALIAS
 
 if typing.TYPE_CHECKING:
+    from loom.engine.client import EngineClient
     from loom.server.state import ServerConfig
 
 # `loom serve` answers chat out of the box: its default model is the instruction-tuned one
@@ -114,6 +115,21 @@ def add_serve_parser(sub: Any) -> None:
     server.add_argument("--max-stored-responses", type=int, default=10_000,
                         help="responses kept for previous_response_id (oldest go first)")
     server.add_argument("--log-level", default="info")
+    replicas = serve.add_argument_group("replicas (Ray Serve)")
+    replicas.add_argument("--replicas", type=int, default=1,
+                          help="engine replicas behind this server; more than 1 (or "
+                               "--ray-address) runs them on Ray Serve, sessions pinned to "
+                               "their replica")
+    replicas.add_argument("--ray-address", default=None,
+                          help="join this Ray cluster ('auto': the one `ray start` runs "
+                               "here) instead of starting a local instance")
+    replicas.add_argument("--replica-threads", type=int, default=None,
+                          help="compute threads per replica (None: the cluster's cores "
+                               "split over the replicas)")
+    replicas.add_argument("--route-imbalance", type=int, default=8,
+                          help="a new request goes to the replica with the longest prefix "
+                               "match unless it has this many more queued sequences than "
+                               "the least loaded")
     add_engine_args(serve)
     # A server streams: a newcomer's prompt is chunked to keep running streams' steps near
     # 100 ms (the offline engine keeps whole chunks).
@@ -145,7 +161,6 @@ def serve(namespace: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from loom.engine.async_engine import AsyncLLMEngine
     from loom.engine.promise_sync import SpecialKwargs
     from loom.server.app import build_app
 
@@ -156,11 +171,27 @@ def serve(namespace: argparse.Namespace) -> int:
         args.special_kwargs = SpecialKwargs(promise_token_id=namespace.promise_token,
                                             sync_token_id=namespace.sync_token)
     config = server_config_from(namespace, os.environ.get("LOOM_API_KEY", ""))
-    engine = AsyncLLMEngine.from_engine_args(args)
+    engine = engine_client(args, namespace)
     print(f"loaded {args.model} ({engine.config.mode_summary})", flush=True)
     app = build_app(engine, config)
     try:
         uvicorn.run(app, host=namespace.host, port=namespace.port, log_level=namespace.log_level)
-    finally:  # Ctrl-C or SIGTERM: uvicorn returns; stop tensor-parallel workers with us
+    finally:  # Ctrl-C or SIGTERM: uvicorn returns; stop workers and replicas with us
         engine.shutdown()
     return 0
+
+
+def engine_client(args: EngineArgs, namespace: argparse.Namespace) -> EngineClient:
+    """One engine in this process, or `--replicas` engines on Ray Serve (also with one
+    replica when `--ray-address` is given)."""
+    if namespace.replicas < 1:
+        raise SystemExit("--replicas must be at least 1")
+    if namespace.replicas == 1 and namespace.ray_address is None:
+        from loom.engine.async_engine import AsyncLLMEngine
+
+        return AsyncLLMEngine.from_engine_args(args)
+    from loom.distributed.launch import start_replicas
+
+    return start_replicas(args, namespace.replicas, namespace.ray_address,
+                          threads=namespace.replica_threads,
+                          imbalance_threshold=namespace.route_imbalance)
