@@ -46,7 +46,12 @@ from loom.engine.session_snapshot import SessionSnapshot
 from loom.engine.session_store import SessionStore
 from loom.engine.sessions import Sample, SessionView
 from loom.engine.token_budget import TokenBudget
-from loom.errors import EngineShutDownError, LoomError, ReplicaUnavailableError
+from loom.errors import (
+    EngineShutDownError,
+    LoomError,
+    ReplicaUnavailableError,
+    SessionLostError,
+)
 from loom.pooling_params import PoolingParams
 from loom.sampling_params import SamplingParams
 from loom.tokenizer import Tokenizer
@@ -248,7 +253,20 @@ class RayEngineClient:
             await self.pins.pin(key, served.replica)
 
     async def holds(self, request_id: str) -> bool:
-        return await self._named_call("holds", request_id)
+        """Whether a replica holds the id; one pinned to a gone replica that no store can
+        bring back is lost (`SessionLostError`, every time: the pin stays on the gone
+        replica, so the cause stays known)."""
+        route = await self._route(request_id)
+        served = await self._call("holds", (request_id,), None, named=request_id, route=route)
+        if served.value:
+            await self._pin_result(request_id, route, served.replica)
+            return True
+        if route.holder is not None and route.holder != served.replica \
+                and self._session_store is None:
+            raise SessionLostError(
+                f"session {request_id!r} lived on replica {route.holder}, which is gone, "
+                "and no shared store keeps sessions")
+        return False
 
     async def append(self, request_id: str, fragment: str | Sequence[int],
                      sampling_params: SamplingParams | None = None, **kwargs: Any) -> int:
@@ -363,9 +381,10 @@ class RayEngineClient:
         try:
             async with contextlib.aclosing(source):
                 async for served in source:
-                    if served.value is None:
+                    if served.value is None:  # opened: pin it (and the affinity key)
                         self._remember(request_id, served.replica)
                         await self.pins.pin(request_id, served.replica)
+                        await self._pin_result(None, route, served.replica)
                         continue
                     yield served.value
                     if served.value.finished:

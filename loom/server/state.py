@@ -15,7 +15,7 @@ from fastapi import Request
 from loom.engine.client import EngineClient
 from loom.engine.outputs import RequestOutput
 from loom.engine.token_budget import TokenBudget
-from loom.errors import ContextLengthError, LoomError
+from loom.errors import ContextLengthError, LoomError, SessionLostError
 from loom.sampling_params import RequestOutputKind, SamplingParams
 from loom.server.errors import APIError
 from loom.server.limits import check_api_key
@@ -115,19 +115,26 @@ class ServerState:
                 store.delete_record(_OWNER_RECORD, session_id)
 
     async def owns_live_session(self, session_id: str, key: str) -> bool:
-        """Whether `key` owns a live session by this id; a session a KV store kept across a
-        restart is restored here when its stored owner is `key`."""
-        if self.session_owners.get(session_id) == key and await self.engine.holds(session_id):
+        """Whether `key` owns a live session by this id. One of `key`'s that no engine holds
+        is restored from the session store: kept there across a restart (its owner is the
+        stored digest), or moved (its replica is gone: another continues it from its
+        snapshot). A `SessionLostError` (its replica is gone and nothing keeps it) is
+        raised as it is, so the caller learns why."""
+        known = self.session_owners.get(session_id)
+        if known is not None and known != key:
+            return False
+        if known == key and await self.engine.holds(session_id):
             return True
         store = self.engine.session_store
-        if session_id in self.session_owners or store is None \
-                or store.get_record(_OWNER_RECORD, session_id) != key_digest(key):
+        if known is None and (store is None or store.get_record(_OWNER_RECORD, session_id)
+                              != key_digest(key)):
             return False
-        if not await self.engine.holds(session_id):
-            try:
-                await self.engine.restore_session(session_id)
-            except LoomError:
-                return False
+        try:
+            await self.engine.restore_session(session_id)
+        except SessionLostError:
+            raise
+        except LoomError:
+            return False
         self.session_owners[session_id] = key
         return True
 

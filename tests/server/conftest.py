@@ -43,19 +43,22 @@ def engine_args(tiny_models, **overrides):
 
 @contextlib.contextmanager
 def run_server(engine_args, **server_config) -> Iterator[RunningServer]:
-    """Build the engine (or wrap an `LLMEngine` given instead of `EngineArgs`) and the app,
-    serve them on 127.0.0.1, stop at exit."""
+    """Build the engine (or wrap an `LLMEngine` given instead of `EngineArgs`, or take an
+    engine client as it is) and the app, serve them on 127.0.0.1, stop at exit."""
     from loom.engine.async_engine import AsyncLLMEngine
+    from loom.engine.config import EngineArgs
     from loom.engine.llm_engine import LLMEngine
     from loom.server.app import build_app
     from loom.server.state import ServerConfig
 
+    inline = None
     if isinstance(engine_args, LLMEngine):
         inline = engine_args.run_async_calls_inline
         engine = AsyncLLMEngine(engine_args)
-    else:
-        inline = None
+    elif isinstance(engine_args, EngineArgs):
         engine = AsyncLLMEngine.from_engine_args(engine_args)
+    else:  # an engine client (replicas on Ray Serve)
+        engine = engine_args
     server_config.setdefault("served_model_name", "test-model")
     app = build_app(engine, ServerConfig(**server_config))
     port = free_port()

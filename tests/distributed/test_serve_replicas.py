@@ -1,0 +1,212 @@
+"""`loom serve` over two engine replicas on Ray Serve (one Ray instance for the module, the
+tiny Gemma 3 model, a Redis store the replicas share): every call of a session and every
+turn of a `previous_response_id` chain lands on one replica (its `x-loom-replica` header),
+and the later turns are served from the cache; concurrent agent conversations lose nothing;
+a session whose replica is killed between two segments continues on the other from Redis
+with the tokens and logprobs of a run where nothing was killed; a drained replica's running
+segment ends its stream with a final event; without a store, the lost session is a 404
+naming the cause."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+
+import httpx
+import pytest
+from redis_process import start_redis
+from server.conftest import engine_args, run_server
+from server.test_server_robustness import TEMPLATE
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from loom.distributed.launch import DEPLOYMENT, start_replicas  # noqa: E402
+
+PROMPT = "Once upon a time, in a land far away, there lived"
+SEGMENT = {"max_tokens": 6, "temperature": 0, "logprobs": 2}
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory):
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server not installed: apt-get install redis-server (make test "
+                    "tries to)")
+    server = start_redis(binary, tmp_path_factory.mktemp("redis"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(ray_instance, redis, tiny_models):
+    """The OpenAI server over 2 replicas sharing the Redis store."""
+    args = engine_args(tiny_models, num_kv_blocks=1024, kv_transfer_config={
+        "kv_connector": "RedisConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"url": redis.url}})
+    client = start_replicas(args, 2, app_name="served", threads=1, num_cpus=0.5,
+                            graceful_shutdown_timeout_s=20)
+    try:
+        with run_server(client, chat_template=TEMPLATE) as srv:
+            yield srv
+    finally:
+        client.shutdown()
+
+
+def replica_actor(app: str, replica: str):
+    return ray.get_actor(f"SERVE_REPLICA::{app}#{DEPLOYMENT}#{replica}", namespace="serve")
+
+
+def post(srv, path: str, body: dict, **headers: str) -> httpx.Response:
+    response = httpx.post(srv.base_url + path, json=body, headers=headers, timeout=TIMEOUT_S)
+    assert response.status_code == 200, response.text
+    return response
+
+
+def replica(response: httpx.Response) -> str:
+    name = response.headers.get("x-loom-replica")
+    assert name, f"no x-loom-replica header: {dict(response.headers)}"
+    return name
+
+
+def test_a_sessions_calls_and_a_response_chain_stay_on_their_replica(server):
+    opened = post(server, "/v1/sessions", {"prompt": PROMPT})
+    sid, home = opened.json()["id"], replica(opened)
+    for text in (" and", " a dragon", " who said"):
+        assert replica(post(server, f"/v1/sessions/{sid}/append",
+                            {"text": text, **SEGMENT})) == home
+    view = httpx.get(f"{server.base_url}/v1/sessions/{sid}", timeout=TIMEOUT_S)
+    assert view.status_code == 200 and replica(view) == home
+
+    previous, chain_home, seen = None, None, 0
+    for turn in range(3):
+        body = {"model": "test-model", "input": f"Turn {turn}: tell me more.",
+                "max_output_tokens": 4, "temperature": 0}
+        if previous is not None:
+            body["previous_response_id"] = previous
+        answer = post(server, "/v1/responses", body)
+        chain_home = chain_home or replica(answer)
+        assert replica(answer) == chain_home
+        usage = answer.json()["usage"]
+        if turn:  # the earlier turns' tokens came from the cache (the forked session), all
+            # but the last, whose logits the turn needs
+            assert usage["input_tokens_details"]["cached_tokens"] >= seen - 1
+        seen = usage["input_tokens"]
+        previous = answer.json()["id"]
+
+    # Requests under one x-session-id go where the first went.
+    first = post(server, "/v1/completions", {"model": "test-model", "prompt": "a b c",
+                                             "max_tokens": 2}, **{"x-session-id": "agent-7"})
+    for _ in range(3):
+        again = post(server, "/v1/completions", {"model": "test-model", "prompt": "x y",
+                                                 "max_tokens": 2},
+                     **{"x-session-id": "agent-7"})
+        assert replica(again) == replica(first)
+
+
+def test_sixteen_concurrent_conversations_over_two_replicas_lose_nothing(server):
+    async def conversation(client: httpx.AsyncClient, index: int) -> list[int]:
+        statuses, previous = [], None
+        for turn in range(3):
+            body = {"model": "test-model", "max_output_tokens": 3, "temperature": 0,
+                    "input": f"Agent {index}, step {turn}: what next?"}
+            if previous is not None:
+                body["previous_response_id"] = previous
+            answer = await client.post("/v1/responses", json=body)
+            statuses.append(answer.status_code)
+            if answer.status_code != 200:
+                break
+            assert answer.json()["status"] in ("completed", "incomplete")
+            previous = answer.json()["id"]
+        return statuses
+
+    async def run_all() -> list[list[int]]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=TIMEOUT_S) as client:
+            return await asyncio.gather(*(conversation(client, i) for i in range(16)))
+
+    statuses = asyncio.run(run_all())
+    assert all(s == [200, 200, 200] for s in statuses), statuses
+
+
+def segment_after(srv, sid: str, text: str) -> tuple[list[int], list, str]:
+    """A greedy segment after `text`: its tokens, its logprobs and the serving replica."""
+    answer = post(srv, f"/v1/sessions/{sid}/append", {"text": text, **SEGMENT})
+    body = answer.json()
+    return body["token_ids"], body["logprobs"], replica(answer)
+
+
+def test_a_killed_replicas_session_continues_from_redis_bit_identically(server):
+    def conversation(kill: bool):
+        opened = post(server, "/v1/sessions", {"prompt": PROMPT})
+        sid = opened.json()["id"]
+        first = segment_after(server, sid, " The first")
+        if kill:
+            ray.kill(replica_actor("served", first[2]), no_restart=True)
+        second = segment_after(server, sid, " And then the second")
+        httpx.delete(f"{server.base_url}/v1/sessions/{sid}", timeout=TIMEOUT_S)
+        return first, second
+
+    reference = conversation(kill=False)
+    moved = conversation(kill=True)
+    assert moved[1][2] != moved[0][2]  # the second segment ran on the other replica
+    assert moved[0][:2] == reference[0][:2]
+    assert moved[1][0] == reference[1][0]  # tokens
+    assert moved[1][1] == reference[1][1]  # logprobs, the same floats
+
+
+def test_a_drained_replicas_running_segment_ends_with_a_final_event(server):
+    client = server.engine
+    deadline = time.monotonic() + TIMEOUT_S  # Serve replaces the replica killed above
+    while len(client.running_replicas() - set(client.pins.known_gone())) < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    opened = post(server, "/v1/sessions", {"prompt": "Count: one two three"})
+    sid, home = opened.json()["id"], replica(opened)
+    events = []
+    with httpx.stream("POST", f"{server.base_url}/v1/sessions/{sid}/generate",
+                      json={"max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                            "stream": True}, timeout=TIMEOUT_S) as stream:
+        assert stream.status_code == 200
+        for line in stream.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            events.append(json.loads(line[6:]))
+            if len(events) == 2:  # generating: drain its replica now
+                stopped = asyncio.run(client.drain_replica(home))
+                assert stopped == [sid]
+    final = events[-1]
+    assert final["object"] == "session.generation" and final["finish_reason"] is not None
+    assert len(final["token_ids"]) < 400
+
+
+def test_without_a_store_a_lost_session_is_a_404_naming_the_cause(ray_instance, tiny_models):
+    client = start_replicas(engine_args(tiny_models), 1, app_name="unstored", threads=1,
+                            num_cpus=0.5, graceful_shutdown_timeout_s=5)
+    try:
+        with run_server(client) as srv:
+            opened = post(srv, "/v1/sessions", {"prompt": PROMPT})
+            sid, home = opened.json()["id"], replica(opened)
+            ray.kill(replica_actor("unstored", home), no_restart=True)
+            answer = httpx.post(f"{srv.base_url}/v1/sessions/{sid}/append",
+                                json={"text": " more"}, timeout=TIMEOUT_S)
+            assert answer.status_code == 404, answer.text
+            error = answer.json()["error"]
+            assert error["code"] == "session_lost"
+            assert home in error["message"] and "no shared store" in error["message"]
+    finally:
+        client.shutdown()
