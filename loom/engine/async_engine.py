@@ -207,7 +207,10 @@ class AsyncLLMEngine:
         if self._closed is not None:
             raise self._closed
         async with self._lock:
-            result = fn(*args, **kwargs)
+            try:
+                result = fn(*args, **kwargs)
+            finally:  # the store never lags what the caller is answered
+                self.engine.persist_sessions()
         self._ensure_loop()
         return result
 

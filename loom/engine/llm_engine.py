@@ -204,10 +204,16 @@ class LLMEngine:
         outputs = self.core.step()
         if self.kv_events is not None:  # the step's cache changes, as one batch
             self.kv_events.flush()
-        if self._persisted is not None:
-            self._persisted.flush()
+        self.persist_sessions()
         fill_decoded_tokens(outputs, self._decode_token)
         return outputs
+
+    def persist_sessions(self) -> None:
+        """With a session store, save the sessions that parked or changed since the last
+        save: every step ends with this, and so does every call that changes a session's
+        tokens (append, rewind, stop), here and in the async engine."""
+        if self._persisted is not None:
+            self._persisted.flush()
 
     def _decode_token(self, token_id: int) -> str:
         """One token's text (a `Logprob`'s `decoded_token`)."""
@@ -285,7 +291,9 @@ class LLMEngine:
         elif not isinstance(request_id, str):
             raise InvalidRequestError(
                 f"prefill(request_id, fragment): request_id must be a str, got {request_id!r}")
-        return self.sessions.append(request_id, fragment, sampling_params, heal=heal)
+        appended = self.sessions.append(request_id, fragment, sampling_params, heal=heal)
+        self.persist_sessions()
+        return appended
 
     def only_live_request(self) -> str:
         """The id of the one live request or session (what `prefill(fragment)` addresses);
@@ -309,7 +317,9 @@ class LLMEngine:
 
     def stop_generation(self, request_id: str) -> bool:
         """End a generating session's segment now; False when it was not generating."""
-        return self.sessions.stop_generation(request_id)
+        stopped = self.sessions.stop_generation(request_id)
+        self.persist_sessions()
+        return stopped
 
     def resample(
         self, request_id: str, sampling_params: SamplingParams | None = None, n: int = 1
@@ -334,6 +344,7 @@ class LLMEngine:
     def rewind(self, request_id: str, num_tokens: int) -> None:
         """Drop a paused session's last `num_tokens` tokens (see `SessionManager.rewind`)."""
         self.sessions.rewind(request_id, num_tokens)
+        self.persist_sessions()
 
     def fork_session(self, request_id: str, new_id: str, num_tokens: int | None = None, *,
                      pin: bool = False, ttl_s: float | None = None) -> int:

@@ -76,6 +76,9 @@ class SequenceTable:
         # session's id when one is restored, and with (request id, why, was a session) when
         # a group ends: the engines keep session snapshots and output queues through these.
         self.on_session_paused: list[Callable[[SequenceState], None]] = []
+        # Called with a session's sequence when its tokens change outside a segment (a
+        # fragment appended, a rewind, a heal) or a segment ends: what a snapshot holds.
+        self.on_session_changed: list[Callable[[SequenceState], None]] = []
         self.on_session_restored: list[Callable[[str], None]] = []
         self.on_group_ended: list[Callable[[str, str, bool], None]] = []
         # Asked for an id this process never saw: True when it restored a session by that id
@@ -232,6 +235,12 @@ class SequenceTable:
             return
         seq.generating = False
         seq.last_logits = None
+        self._changed(seq)
+
+    def _changed(self, seq: SequenceState) -> None:
+        if seq.is_session:
+            for listener in self.on_session_changed:
+                listener(seq)
 
     def fail(self, seq: SequenceState) -> None:
         """End a sequence (a session's too) with FINISHED_ERROR and free its blocks: its
@@ -284,6 +293,8 @@ class SequenceTable:
             seq.append_input(token_ids)
         seq.last_logits = None
         self.scheduler.wake(seq.request)
+        if not produced:
+            self._changed(seq)
 
     def truncate(self, seq: SequenceState, num_tokens: int) -> None:
         """Cut a paused session to its first `num_tokens` tokens (blocks that no longer hold
@@ -298,6 +309,7 @@ class SequenceTable:
         seq.text_cut_chars = 0
         seq.last_logits = None
         seq.clear_delta()
+        self._changed(seq)
         if seq.grammar is not None:
             seq.grammar.cut(num_tokens)
         seq.detokenizer = IncrementalDetokenizer(

@@ -110,17 +110,22 @@ class PersistedSessions:
     session back when an id this process never saw is asked for.
 
     A session is saved each time it parks (its last logits stored: the end of a prompt, a
-    fragment or a segment), after the step that parked it; it is forgotten when it is closed
-    or expires. A process that ends any other way (a restart, a crash) leaves the snapshots
-    of its sessions, which the next engine on the same store restores on first use.
+    fragment or a segment), and each time its tokens change outside a segment or a segment
+    ends (a fragment appended, a rewind: then without logits, so a restore recomputes its
+    last position), at the end of the step or engine call that did it: the store never
+    lags what a caller was answered, so a session continued elsewhere from it is the one
+    the caller knows. It is forgotten when it is closed or expires. A process that ends any
+    other way (a restart, a crash) leaves the snapshots of its sessions, which the next
+    engine on the same store restores on first use.
     """
 
     def __init__(self, store: SessionStore, sessions: SessionManager) -> None:
         self.store = store
         self.sessions = sessions
-        self._parked: dict[str, None] = {}  # sessions parked since the last flush, in order
+        self._parked: dict[str, None] = {}  # parked or changed since the last flush, in order
         table = sessions.table
         table.on_session_paused.append(self._on_paused)
+        table.on_session_changed.append(self._on_paused)
         table.on_group_ended.append(self._on_ended)
         table.restore_missing = self.restore
 
@@ -133,7 +138,8 @@ class PersistedSessions:
             self.store.delete(request_id)
 
     def flush(self) -> None:
-        """Save the sessions that parked since the last call (those still paused)."""
+        """Save the sessions that parked or changed since the last call (those not
+        generating)."""
         parked, self._parked = self._parked, {}
         table = self.sessions.table
         for session_id in parked:

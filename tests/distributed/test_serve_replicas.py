@@ -210,3 +210,95 @@ def test_without_a_store_a_lost_session_is_a_404_naming_the_cause(ray_instance, 
             assert home in error["message"] and "no shared store" in error["message"]
     finally:
         client.shutdown()
+
+
+def test_the_real_model_over_two_replicas_serves_the_agent_clients(ray_instance, redis,
+                                                                   gemma_path):
+    """Gemma 3 270M in the default mode (w4a8 from its GGUF blocks) on 2 replicas: the
+    openai client's Responses chain, openai-agents' Runner calling a function tool and
+    LangChain's ChatOpenAI, unchanged; a chain whose replica is killed between two turns
+    continues on the other with the same tokens and logprobs as a chain nothing disturbed."""
+    agents = pytest.importorskip("agents")
+    openai = pytest.importorskip("openai")
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from loom.engine.config import EngineArgs
+
+    args = EngineArgs(model=str(gemma_path), num_kv_blocks=512, kv_transfer_config={
+        "kv_connector": "RedisConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"url": redis.url}})
+    client = start_replicas(args, 2, app_name="real", threads=1, num_cpus=0.5,
+                            graceful_shutdown_timeout_s=10)
+    try:
+        with run_server(client, served_model_name="gemma") as srv:
+            api = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused",
+                                max_retries=0, timeout=120)
+
+            def two_replicas_running() -> None:
+                deadline = time.monotonic() + 120  # Serve replaces a killed replica
+                while len(client.running_replicas() - set(client.pins.known_gone())) < 2:
+                    assert time.monotonic() < deadline, "no second replica"
+                    time.sleep(0.2)
+
+            def chain(kill: bool) -> list[str]:
+                two_replicas_running()
+                texts, previous = [], None
+                for turn, text in enumerate(("Name a colour.", "Name another one.")):
+                    raw = api.responses.with_raw_response.create(
+                        model="gemma", input=text, previous_response_id=previous,
+                        max_output_tokens=8, temperature=0)
+                    answer = raw.parse()
+                    texts.append(answer.output_text)
+                    previous = answer.id
+                    if kill and turn == 0:
+                        ray.kill(replica_actor("real", raw.headers["x-loom-replica"]),
+                                 no_restart=True)
+                return texts
+
+            def session(kill: bool) -> list[tuple[list[int], list, str]]:
+                two_replicas_running()
+                sid = post(srv, "/v1/sessions", {"prompt": "The three primary colours are"}
+                           ).json()["id"]
+                segments = [segment_after(srv, sid, " red,")]
+                if kill:
+                    ray.kill(replica_actor("real", segments[0][2]), no_restart=True)
+                segments.append(segment_after(srv, sid, " and the secondary ones are"))
+                return segments
+
+            reference = chain(kill=False)
+            assert all(reference)
+            assert chain(kill=True) == reference
+            reference = session(kill=False)
+            moved = session(kill=True)
+            assert moved[1][2] != moved[0][2]
+            # The default mode's tokens and logprobs, the same on the other replica.
+            for got, want in zip(moved, reference, strict=True):
+                assert got[0] == want[0], (got, want)  # tokens
+                assert got[1] == want[1], (got, want)  # logprobs
+
+            agents.set_tracing_disabled(True)
+            calls: list[str] = []
+
+            @agents.function_tool
+            def get_weather(city: str) -> str:
+                """The current weather in a city."""
+                calls.append(city)
+                return json.dumps({"city": city, "temperature_c": 21})
+
+            agent = agents.Agent(
+                name="weather", instructions="Answer with the weather tool.",
+                tools=[get_weather],
+                model=agents.OpenAIResponsesModel(model="gemma", openai_client=openai.AsyncOpenAI(
+                    base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0)),
+                model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
+                                                    max_tokens=32),
+                tool_use_behavior="stop_on_first_tool")
+            result = agents.Runner.run_sync(agent, "What is the weather in Paris?",
+                                            max_turns=2)
+            assert calls and json.loads(result.final_output)["temperature_c"] == 21
+
+            chat = langchain_openai.ChatOpenAI(
+                base_url=f"{srv.base_url}/v1", api_key="unused", model="gemma",
+                temperature=0, max_tokens=16, max_retries=0)
+            assert chat.invoke("Say hello.").text
+    finally:
+        client.shutdown()

@@ -211,3 +211,28 @@ def test_a_constrained_document_and_expiry_across_a_restart(tiny_models, tmp_pat
     third.step()  # expires it
     assert not third.table.is_live("t") and third.session_store.load("t") is None
     assert third.kv_pool_all_free
+
+
+def test_the_store_never_lags_what_the_caller_was_answered(tiny_models, tmp_path):
+    """The step that ends a segment saves the session (its pending token uncomputed, no
+    logits), and so does an append: an engine that takes the session over from the store at
+    once (its first engine lost before computing anything more) continues from exactly what
+    the caller last saw, bit-identically."""
+    folder, _ = tiny_models["llama"]
+    config = files_store(tmp_path)
+    first = engine_on(folder, config)
+    first.add_request("chat", prompt_ids(22), GREEDY, session=True)
+    while not any(o.finished or o.segment_finished for o in first.step()):
+        pass  # the segment's last output: the caller has its tokens, nothing more ran
+    answered = first.get_session("chat").token_ids
+    first.append("chat", prompt_ids(4, 3))  # answered with its count, not computed yet
+    answered += tuple(prompt_ids(4, 3))
+
+    second = engine_on(folder, config)
+    assert second.get_session("chat").token_ids == answered
+    tokens, logits = continue_session(second)
+    ref_tokens, ref_logits = continue_session(first)
+    assert tokens == ref_tokens and torch.equal(logits, ref_logits)
+    for engine in (first, second):
+        engine.close("chat")
+        assert engine.kv_pool_all_free
