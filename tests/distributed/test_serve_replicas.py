@@ -142,6 +142,18 @@ def test_sixteen_concurrent_conversations_over_two_replicas_lose_nothing(server)
     statuses = asyncio.run(run_all())
     assert all(s == [200, 200, 200] for s in statuses), statuses
 
+    # /metrics: one series per replica, labelled by its id and index.
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.base_url}/metrics", timeout=TIMEOUT_S).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    generated = {s.labels["replica"]: s.value
+                 for s in families["vllm:generation_tokens"].samples}
+    assert set(generated) == server.engine.running_replicas()
+    assert sum(generated.values()) >= 16 * 3 * 3
+    engines = {s.labels["engine"] for s in families["vllm:num_requests_running"].samples}
+    assert engines == {"0", "1"}
+
 
 def segment_after(srv, sid: str, text: str) -> tuple[list[int], list, str]:
     """A greedy segment after `text`: its tokens, its logprobs and the serving replica."""
