@@ -5,16 +5,20 @@ from __future__ import annotations
 
 class LoomError(Exception):
     """Root of every deliberate Loom error. `param` names the request field at fault, where
-    one is (an HTTP adapter puts it in OpenAI's error body); it survives pickling, so an
+    one is, and `code` is a machine-readable reason (an HTTP adapter puts both in OpenAI's
+    error body; its status follows from the error's class). Both survive pickling, so an
     error raised in a replica reaches the server whole."""
 
-    def __init__(self, *args: object, param: str | None = None) -> None:
+    def __init__(self, *args: object, param: str | None = None,
+                 code: str | None = None) -> None:
         super().__init__(*args)
         self.param = param
+        self.code = code
 
 
 class ModelNotFoundError(LoomError):
-    """A model path or alias that does not resolve to files on disk."""
+    """A model that does not exist: a path or alias that does not resolve to files on disk,
+    or a name a server does not serve."""
 
 
 class UnsupportedModelError(LoomError):
@@ -76,6 +80,20 @@ class ReplicaUnavailableError(LoomError):
 
 class InvalidSessionStateError(LoomError):
     """An operation that the session's current state does not allow."""
+
+
+class AuthenticationError(LoomError):
+    """A request without a valid API key."""
+
+
+class QuotaExceededError(LoomError):
+    """A caller past one of its quotas (a key's open sessions)."""
+
+
+class RequestFailedError(LoomError):
+    """The engine could not serve a request it had accepted (its KV pool held by pinned
+    sessions, a failed KV load under "fail", a failed step): nothing is wrong with the
+    request itself."""
 
 
 class KVConnectorError(LoomError):

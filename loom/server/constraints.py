@@ -14,9 +14,8 @@ import asyncio
 import re
 from typing import Any
 
-from loom.errors import LoomError
+from loom.errors import InvalidRequestError, LoomError
 from loom.sampling_params import SamplingParams, StructuredOutputsParams
-from loom.server.errors import APIError
 from loom.server.protocol import ConstraintFields
 from loom.server.tools import ToolPlan
 
@@ -27,23 +26,24 @@ def requested_constraint(body: ConstraintFields) -> tuple[StructuredOutputsParam
     both ask."""
     fmt, vllm = body.response_format, body.structured_outputs
     if fmt is not None and fmt.type != "text" and vllm is not None:
-        raise APIError(400, "give response_format or structured_outputs, not both",
-                       param="structured_outputs")
+        raise InvalidRequestError("give response_format or structured_outputs, not both",
+                                  param="structured_outputs", code="invalid_request")
     if vllm is not None:
         try:
             return StructuredOutputsParams(
                 json=vllm.json_, json_object=bool(vllm.json_object), regex=vllm.regex,
                 grammar=vllm.grammar, choice=vllm.choice), "structured_outputs"
         except LoomError as error:
-            raise APIError(400, str(error), param="structured_outputs") from None
+            raise InvalidRequestError(str(error), param="structured_outputs",
+                                      code="invalid_request") from None
     if fmt is None or fmt.type == "text":
         return None, "response_format"
     if fmt.type == "json_object":
         return StructuredOutputsParams(json_object=True), "response_format"
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        raise APIError(400, "response_format of type 'json_schema' needs "
-                            "json_schema.schema (a JSON schema object)",
-                       param="response_format")
+        raise InvalidRequestError("response_format of type 'json_schema' needs "
+                                  "json_schema.schema (a JSON schema object)",
+                                  param="response_format", code="invalid_request")
     return StructuredOutputsParams(json=fmt.json_schema.schema_), "response_format"
 
 
@@ -58,8 +58,8 @@ async def check_constraint(engine: Any, params: SamplingParams, param: str) -> N
     except LoomError as error:
         # "request 'x': invalid structured_outputs (json): why" -> "invalid tools (json): why"
         detail = re.sub(r"^request '[^']*': invalid structured_outputs:? ?", "", str(error))
-        raise APIError(400, f"invalid {param} {detail}", param=param,
-                       code="invalid_value") from None
+        raise InvalidRequestError(f"invalid {param} {detail}", param=param,
+                                  code="invalid_value") from None
 
 
 async def constrain(state: Any, params: SamplingParams, requested: StructuredOutputsParams | None,

@@ -18,7 +18,7 @@ from loom.errors import InvalidRequestError, LoomError
 from loom.pooling_params import PoolingParams
 from loom.server.embedding_requests import EmbeddingRequest
 from loom.server.errors import APIError
-from loom.server.openai_routes import authenticated, get_state
+from loom.server.http_requests import authenticated, get_state, unless_disconnected
 from loom.server.state import ServerState
 
 router = APIRouter()
@@ -68,7 +68,7 @@ async def create_embedding(body: EmbeddingRequest, request: Request,
         state.engine.check_pooling_params(params)
     except InvalidRequestError as error:  # the model does not take these dimensions
         raise APIError(400, str(error), param="dimensions") from None
-    outs: list[EmbeddingRequestOutput] = await state.unless_disconnected(
+    outs: list[EmbeddingRequestOutput] = await unless_disconnected(
         request, asyncio.gather(*(state.engine.embed(item, params) for item in inputs)))
     data = []
     for index, out in enumerate(outs):

@@ -20,14 +20,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from loom.errors import (
+    AuthenticationError,
     DuplicateRequestError,
     EngineShutDownError,
     InvalidRequestError,
     InvalidSamplingParamsError,
     InvalidSessionStateError,
     LoomError,
+    ModelNotFoundError,
     PromptTooLongError,
+    QuotaExceededError,
     ReplicaUnavailableError,
+    RequestFailedError,
     SessionLostError,
     UnknownRequestError,
 )
@@ -93,30 +97,37 @@ def error_response(status: int, message: str, param: str | None = None,
                         headers=headers)
 
 
+# A Loom error's HTTP status and its code when it names none, by class (the first match).
+_LOOM_STATUS: tuple[tuple[type[LoomError] | tuple[type[LoomError], ...], int, str], ...] = (
+    (EngineShutDownError, 503, "engine_shut_down"),
+    (ReplicaUnavailableError, 503, "replica_unavailable"),
+    (RequestFailedError, 503, "request_failed"),
+    (AuthenticationError, 401, "invalid_api_key"),
+    (QuotaExceededError, 429, "rate_limit_exceeded"),
+    (SessionLostError, 404, "session_lost"),
+    (UnknownRequestError, 404, "not_found"),  # SessionClosedError included
+    (ModelNotFoundError, 404, "model_not_found"),
+    ((DuplicateRequestError, InvalidSessionStateError), 409, "conflict"),
+    (PromptTooLongError, 400, "context_length_exceeded"),
+    ((InvalidRequestError, InvalidSamplingParamsError), 400, "invalid_value"),
+)
+
+
 def from_loom_error(error: LoomError) -> APIError:
-    """The HTTP form of an engine error: 404 for unknown, closed or lost requests and
-    sessions, 409 for a session in the wrong state, 503 when no engine can serve, 400 for
-    bad input (naming the field the error names)."""
+    """The HTTP form of a Loom error, the services' refusals included: its status by its
+    class (401 no key, 404 unknown, closed or lost, 409 wrong state, 429 past a quota, 503
+    the engine could not serve, 400 bad input), its code and the field it names."""
     message = str(error)
-    if isinstance(error, EngineShutDownError):
-        return APIError(503, message, code="engine_shut_down")
-    if isinstance(error, ReplicaUnavailableError):
-        return APIError(503, message, code="replica_unavailable")
-    if isinstance(error, SessionLostError):
-        return APIError(404, message, code="session_lost")
-    if isinstance(error, UnknownRequestError):  # includes SessionClosedError
-        return APIError(404, message, code="not_found")
-    if isinstance(error, DuplicateRequestError | InvalidSessionStateError):
-        return APIError(409, message, code="conflict")
+    status, code = 400, "invalid_request"
+    for kinds, kind_status, kind_code in _LOOM_STATUS:
+        if isinstance(error, kinds):
+            status, code = kind_status, kind_code
+            break
     param = error.param
-    if isinstance(error, PromptTooLongError):  # as TokenBudget says it
-        return APIError(400, message, param=param, code="context_length_exceeded")
     if param is None and isinstance(error, InvalidSamplingParamsError):
         match = re.search(r"invalid sampling parameter (\w+)=", message)
         param = match.group(1) if match else None
-    if isinstance(error, InvalidRequestError | InvalidSamplingParamsError):
-        return APIError(400, message, param=param, code="invalid_value")
-    return APIError(400, message, param=param)
+    return APIError(status, message, param=param, code=error.code or code)
 
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:

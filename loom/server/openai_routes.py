@@ -15,6 +15,7 @@ from loom.errors import LoomError
 from loom.server import tool_calls
 from loom.server.constraints import constrain, requested_constraint
 from loom.server.errors import APIError, as_api_error, error_body
+from loom.server.http_requests import authenticated, get_state, unless_disconnected
 from loom.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,16 +37,6 @@ from loom.server.state import ServerState
 from loom.server.tools import plan_tools
 
 router = APIRouter()
-
-
-def get_state(request: Request) -> ServerState:
-    """The server's shared state."""
-    return request.app.state.loom
-
-
-def authenticated(request: Request) -> str:
-    """Dependency: the caller's API key (401 without a valid one)."""
-    return get_state(request).authenticate(request)
 
 
 def _prompts(state: ServerState, prompt: Any) -> list[tuple[str | None, list[int]]]:
@@ -192,7 +183,7 @@ async def create_completion(body: CompletionRequest, request: Request,
                                                         body.prompt_logprobs)}
 
     if not body.stream:
-        outs = await state.unless_disconnected(
+        outs = await unless_disconnected(
             request, asyncio.gather(*(_gathered(s) for s in streams)))
         choices = []
         for i, out in enumerate(outs):
@@ -281,7 +272,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     names = tools.names if tools.parses else None  # None: the text is all content
 
     if not body.stream:
-        out = await state.unless_disconnected(request, _gathered(stream))
+        out = await unless_disconnected(request, _gathered(stream))
         choices = []
         for comp in out.outputs:
             message = tool_calls.message(comp.text, names)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from loom.errors import InvalidRequestError
 from loom.sampling_params import StructuredOutputsParams
-from loom.server.errors import APIError
 from loom.server.protocol import CalledFunction, ChatMessage, ResponsesRequest, ToolCall
 
 # A message's content parts that carry text (a previous output passed back holds
@@ -21,8 +21,8 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _bad(message: str, param: str) -> APIError:
-    return APIError(400, message, param=param, code="invalid_value")
+def _bad(message: str, param: str) -> InvalidRequestError:
+    return InvalidRequestError(message, param=param, code="invalid_value")
 
 
 def _text_of(content: Any, where: str) -> str:

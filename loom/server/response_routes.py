@@ -10,8 +10,9 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 
-from loom.server.errors import APIError, error_body
-from loom.server.openai_routes import authenticated, get_state
+from loom.errors import LoomError
+from loom.server.errors import APIError, as_api_error, error_body
+from loom.server.http_requests import authenticated, unless_disconnected
 from loom.server.protocol import ResponsesRequest
 from loom.server.response_service import ResponseService
 from loom.server.wire import json_text
@@ -41,13 +42,14 @@ async def create_response(body: ResponsesRequest, request: Request,
                 last = event
             return last["response"]
 
-        return await get_state(request).unless_disconnected(request, drain())
+        return await unless_disconnected(request, drain())
 
     async def events() -> AsyncIterator[str]:
         try:
             async for event in turn.events():
                 yield _sse(event)
-        except APIError as error:  # after the headers: an error event ends the stream
+        except (APIError, LoomError) as raised:  # after the headers: an error event ends it
+            error = as_api_error(raised)
             body = error_body(error.status, error.message, error.param, error.code)["error"]
             # OpenAI's error event: code, message and param of the error; its `type` is the
             # event's ("error"), not the error object's category.

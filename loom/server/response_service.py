@@ -38,10 +38,14 @@ import contextlib
 from typing import Any
 
 from loom.engine.sessions import common_prefix
-from loom.errors import InvalidRequestError, LoomError, UnknownRequestError
+from loom.errors import (
+    InvalidRequestError,
+    InvalidSessionStateError,
+    LoomError,
+    UnknownRequestError,
+)
 from loom.sampling_params import RequestOutputKind, SamplingParams
 from loom.server.constraints import constrain
-from loom.server.errors import APIError
 from loom.server.protocol import ChatMessage, ResponsesRequest
 from loom.server.response_input import input_messages, new_id, text_constraint
 from loom.server.response_store import ResponseStore, StoredResponse
@@ -69,8 +73,9 @@ class ResponseService:
         if body.previous_response_id is not None:
             previous = self.store.get(body.previous_response_id, owner, "previous_response_id")
             if previous.status == "in_progress":
-                raise APIError(409, f"previous response {previous.id!r} is still in progress",
-                               param="previous_response_id", code="response_in_progress")
+                raise InvalidSessionStateError(
+                    f"previous response {previous.id!r} is still in progress",
+                    param="previous_response_id", code="response_in_progress")
         new_messages, items = input_messages(body.input)
         history = [*(previous.messages if previous else []), *new_messages]
         rendered = [ChatMessage(role="system", content=body.instructions), *history] \
@@ -100,7 +105,8 @@ class ResponseService:
         try:
             await engine.add_request(rid, ids, params, session=True, ttl_s=self.ttl_s)
         except LoomError as error:
-            raise APIError(400, str(error), param="input") from None
+            raise InvalidRequestError(str(error), param="input",
+                                      code="invalid_request") from None
 
     async def _fork(self, turn: ResponseTurn, previous: StoredResponse,
                     params: SamplingParams) -> bool:
@@ -154,8 +160,8 @@ class ResponseService:
         """Forget a stored response and close its session (a 409 while it generates)."""
         entry = self.store.get(response_id, owner)
         if entry.status == "in_progress":
-            raise APIError(409, f"response {response_id!r} is still in progress",
-                           code="response_in_progress")
+            raise InvalidSessionStateError(f"response {response_id!r} is still in progress",
+                                           code="response_in_progress")
         self.store.pop(response_id)
         await self._close(response_id)
 
@@ -168,8 +174,9 @@ class ResponseService:
         if after is not None:
             ids = [item["id"] for item in items]
             if after not in ids:
-                raise APIError(400, f"after={after!r} is not an input item of this response",
-                               param="after")
+                raise InvalidRequestError(
+                    f"after={after!r} is not an input item of this response", param="after",
+                    code="invalid_request")
             items = items[ids.index(after) + 1:]
         page = items[:limit]
         return {"object": "list", "data": page,

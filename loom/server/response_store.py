@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loom.engine.session_store import SessionStore
-from loom.server.errors import APIError
+from loom.errors import UnknownRequestError
 from loom.server.protocol import ChatMessage
 from loom.server.state import key_digest
 
@@ -98,8 +98,8 @@ class ResponseStore:
                 self._entries[response_id] = entry
         if entry is None or entry.owner != owner:
             what = "previous response" if param == "previous_response_id" else "response"
-            raise APIError(404, f"{what} {response_id!r} not found", param=param,
-                           code="response_not_found")
+            raise UnknownRequestError(f"{what} {response_id!r} not found", param=param,
+                                      code="response_not_found")
         self._entries.move_to_end(response_id)
         return entry
 

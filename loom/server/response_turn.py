@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from loom.errors import RequestFailedError
 from loom.server import tool_calls
 from loom.server.errors import APIError, as_api_error
 from loom.server.protocol import CalledFunction, ChatMessage, ResponsesRequest, ToolCall
@@ -185,7 +186,7 @@ class ResponseTurn:
 
             async for out in engine.outputs(self.response_id):
                 if out.error is not None:
-                    raise APIError(503, out.error, code="request_failed")
+                    raise RequestFailedError(out.error, code="request_failed")
                 comp = out.outputs[0]
                 generated += len(comp.token_ids)
                 finished = comp.finish_reason is not None

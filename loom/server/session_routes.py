@@ -9,7 +9,8 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from loom.server.openai_routes import _sse_response, authenticated, get_state
+from loom.server.http_requests import authenticated, unless_disconnected
+from loom.server.openai_routes import _sse_response
 from loom.server.protocol import (
     SessionAppendRequest,
     SessionCreateRequest,
@@ -31,7 +32,7 @@ def get_sessions(request: Request) -> SessionService:
 async def _answer(request: Request, run: SegmentRun, stream: bool) -> Any:
     """A segment as one JSON object (its client leaving stops it) or as SSE events."""
     if not stream:
-        return await get_state(request).unless_disconnected(request, run.collect())
+        return await unless_disconnected(request, run.collect())
 
     async def events() -> AsyncIterator[str]:
         async for event in run.events():
@@ -69,7 +70,7 @@ async def append(session_id: str, body: SessionAppendRequest, request: Request,
 async def resample(session_id: str, body: SessionResampleRequest, request: Request,
                    key: str = Depends(authenticated)) -> Any:
     """Draw `n` tokens from the stored logits; the session does not change."""
-    return await get_state(request).unless_disconnected(
+    return await unless_disconnected(
         request, get_sessions(request).resample(session_id, key, body))
 
 

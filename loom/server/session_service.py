@@ -6,8 +6,9 @@ A session belongs to the API key that opened it; every operation checks the owne
 session kept across a restart is restored for its owner here. A generation segment is a
 `SegmentRun`: its events are plain dicts (chunks as the segment generates, then the whole
 segment), which the HTTP routes (`session_routes.py`: JSON or SSE) and the WebSocket
-endpoint (`session_socket.py`) send as they do. Refusals (APIError, with the status an HTTP
-adapter answers) come before anything is appended or started.
+endpoint (`session_socket.py`) send as they do. Refusals are `LoomError`s (their kind by
+class, with the field and a code), mapped to statuses by the adapters; they come before
+anything is appended or started.
 """
 
 from __future__ import annotations
@@ -20,11 +21,16 @@ from typing import Any
 
 from loom.engine.outputs import OutputAccumulator, RequestOutput
 from loom.engine.sessions import SessionView
-from loom.errors import LoomError
+from loom.errors import (
+    InvalidRequestError,
+    LoomError,
+    QuotaExceededError,
+    RequestFailedError,
+    UnknownRequestError,
+)
 from loom.sampling_params import RequestOutputKind
 from loom.server import tool_calls
 from loom.server.constraints import constrain, requested_constraint
-from loom.server.errors import APIError, from_loom_error
 from loom.server.protocol import (
     SessionAppendRequest,
     SessionCreateRequest,
@@ -47,7 +53,8 @@ def session_view(view: SessionView) -> dict[str, Any]:
 def fragment_of(body: SessionAppendRequest) -> str | list[int]:
     """The fragment an append carries: exactly one of text or token ids."""
     if (body.text is None) == (body.token_ids is None):
-        raise APIError(400, "give exactly one of text or token_ids", param="text")
+        raise InvalidRequestError("give exactly one of text or token_ids", param="text",
+                                  code="invalid_request")
     return body.text if body.text is not None else list(body.token_ids or [])
 
 
@@ -72,13 +79,13 @@ class SegmentRun:
             async for out in engine.outputs(sid):
                 if out.error is not None:
                     done = True
-                    raise APIError(503, out.error, code="request_failed")
+                    raise RequestFailedError(out.error, code="request_failed")
                 done = out.segment_finished or out.finished
                 self.gathered.add(out)
                 yield out
-        except LoomError as error:  # the session was closed (deleted, expired) meanwhile
+        except LoomError:  # the session was closed (deleted, expired) meanwhile
             done = True
-            raise from_loom_error(error) from None
+            raise
         finally:
             if not done:
                 await asyncio.shield(self._stop(sid))
@@ -152,10 +159,10 @@ class SessionService:
                 state.session_owners.pop(sid, None)
         owned = [sid for sid, key in state.session_owners.items() if key == owner]
         if len(owned) >= state.config.max_sessions_per_key:
-            raise APIError(429, f"this API key has {len(owned)} open sessions, the most "
-                                f"allowed (--max-sessions-per-key="
-                                f"{state.config.max_sessions_per_key}); close one first",
-                           code="too_many_sessions")
+            raise QuotaExceededError(
+                f"this API key has {len(owned)} open sessions, the most allowed "
+                f"(--max-sessions-per-key={state.config.max_sessions_per_key}); close one "
+                "first", code="too_many_sessions")
         session_id = f"sess-{uuid.uuid4().hex}"
         state.own_session(session_id, owner)
         state.opening_sessions.add(session_id)
@@ -177,8 +184,8 @@ class SessionService:
         if not await state.owns_live_session(session_id, owner):
             if not await state.engine.holds(session_id):
                 state.session_owners.pop(session_id, None)
-            raise APIError(404, f"unknown session {session_id!r}", param="id",
-                           code="session_not_found")
+            raise UnknownRequestError(f"unknown session {session_id!r}", param="id",
+                                      code="session_not_found")
 
     async def view(self, session_id: str, owner: str) -> dict[str, Any]:
         """The session's tokens, text and status."""
@@ -192,7 +199,8 @@ class SessionService:
         the append and the start are one engine call)."""
         await self.check_owner(session_id, owner)
         if body.n != 1:
-            raise APIError(400, "a session generates one sequence: n must be 1", param="n")
+            raise InvalidRequestError("a session generates one sequence: n must be 1",
+                                      param="n", code="invalid_request")
         state = self.state
         # The constraint is checked before anything is appended: a refused one changes
         # nothing.
@@ -206,11 +214,8 @@ class SessionService:
         # session's length (a 400 naming it, before anything is appended).
         params = body.sampling_params(None, body.logprobs).with_updates(
             output_kind=RequestOutputKind.DELTA, structured_outputs=checked.structured_outputs)
-        try:
-            before = await state.engine.start_segment(session_id, params, fragment, heal,
-                                                         state.budget(body.max_tokens))
-        except LoomError as error:
-            raise from_loom_error(error) from None
+        before = await state.engine.start_segment(session_id, params, fragment, heal,
+                                                  state.budget(body.max_tokens))
         return SegmentRun(state, session_id, body, len(before.token_ids),
                           tools.names if tools.parses else None)
 

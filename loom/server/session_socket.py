@@ -238,8 +238,8 @@ async def session_socket(websocket: WebSocket, session_id: str) -> None:
     await websocket.accept()
     try:
         await sessions.check_owner(session_id, owner)
-    except APIError as error:  # a 404, as over HTTP: said in an event, then closed
-        await socket.send_error(None, error)
+    except LoomError as error:  # a 404, as over HTTP: said in an event, then closed
+        await socket.send_error(None, _refusal(error))
         await websocket.close(code=SESSION_NOT_FOUND, reason="session not found")
         return
     await socket.run()

@@ -2,28 +2,30 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
-
-from fastapi import Request
+from typing import Any
 
 from loom.engine.client import EngineClient
 from loom.engine.outputs import RequestOutput
 from loom.engine.token_budget import TokenBudget
-from loom.errors import ContextLengthError, LoomError, SessionLostError
+from loom.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    LoomError,
+    ModelNotFoundError,
+    RequestFailedError,
+    SessionLostError,
+)
 from loom.sampling_params import RequestOutputKind, SamplingParams
-from loom.server.errors import APIError
 from loom.server.limits import check_api_key
 from loom.server.protocol import ToolFields
 from loom.server.tools import TemplateToolSupport, ToolPlan, plan_tools, template_inputs
 from loom.tokenizer import ChatTemplate
 
-T = TypeVar("T")
 # Variables Loom sets for a chat template itself: chat_template_kwargs cannot replace them.
 RESERVED_TEMPLATE_VARIABLES = frozenset({
     "messages", "add_generation_prompt", "bos_token", "eos_token", "tools",
@@ -89,12 +91,14 @@ class ServerState:
         """The text of one token (logprobs entries name tokens by it)."""
         return self.tokenizer.decode([token_id])
 
-    def authenticate(self, request: Request) -> str:
-        """The caller's API key ("" without keys); 401 when it is missing or wrong."""
-        key = check_api_key(request.headers.get("authorization"), self.config.api_keys)
+    def authenticate(self, authorization: str | None) -> str:
+        """The API key an `Authorization` header carries ("" when the server has none); an
+        `AuthenticationError` when it is missing or wrong."""
+        key = check_api_key(authorization, self.config.api_keys)
         if key is None:
-            raise APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+            raise AuthenticationError(
+                "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key")
         return key
 
     # ---- who owns which session (kept in the KV store, where one is configured) ---------
@@ -139,11 +143,12 @@ class ServerState:
         return True
 
     def check_model(self, model: str | None) -> None:
-        """404 for a model name this server does not serve (None: the served one)."""
+        """`ModelNotFoundError` for a name this server does not serve (None: the served
+        one)."""
         if model is not None and model != self.config.served_model_name:
-            raise APIError(404, f"model {model!r} does not exist; this server serves "
-                                f"{self.config.served_model_name!r}", param="model",
-                           code="model_not_found")
+            raise ModelNotFoundError(f"model {model!r} does not exist; this server serves "
+                                     f"{self.config.served_model_name!r}", param="model",
+                                     code="model_not_found")
 
     def budget(self, requested: int | None) -> TokenBudget:
         """A request's max_tokens as asked, under this server's cap (the engine resolves it
@@ -152,25 +157,22 @@ class ServerState:
 
     def max_tokens(self, requested: int | None, prompt_len: int) -> int:
         """The request's max_tokens: the cap and the context left after the prompt bound it
-        (`TokenBudget.resolve`); asking for more than either is a 400 naming max_tokens."""
-        try:
-            return self.budget(requested).resolve(prompt_len, self.max_model_len)
-        except LoomError as error:
-            raise APIError(400, str(error), param=error.param,
-                           code="context_length_exceeded"
-                           if isinstance(error, ContextLengthError) else None) from None
+        (`TokenBudget.resolve`); asking for more than either is refused naming the field
+        (a `ContextLengthError`, or an `InvalidRequestError` past the cap)."""
+        return self.budget(requested).resolve(prompt_len, self.max_model_len)
 
     def prompt_or_messages(
         self, prompt: str | list[int] | None, messages: Sequence[Any] | None,
         add_generation_prompt: bool = True, tools: Sequence[Any] | None = None,
     ) -> str | list[int]:
         """The body's prompt as given, or its messages' ids through the chat template (with
-        `tools` offered); a 400 unless exactly one of the two is present."""
+        `tools` offered); refused unless exactly one of the two is present."""
         if (prompt is None) == (messages is None):
-            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+            raise InvalidRequestError("give exactly one of prompt or messages", param="prompt",
+                                      code="invalid_request")
         if tools and messages is None:
-            raise APIError(400, "tools are rendered with messages: give messages, not a "
-                                "prompt", param="tools")
+            raise InvalidRequestError("tools are rendered with messages: give messages, not a "
+                                      "prompt", param="tools", code="invalid_request")
         if messages is not None:
             plan = plan_tools(ToolFields(tools=list(tools))) if tools else None
             return self.chat_ids(messages, add_generation_prompt, plan)
@@ -180,19 +182,19 @@ class ServerState:
     def chat_ids(self, messages: Sequence[Any], add_generation_prompt: bool = True,
                  tools: ToolPlan | None = None,
                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """A conversation's prompt ids through the chat template (400 when there is none),
+        """A conversation's prompt ids through the chat template (refused without one),
         with the tools `tools` offers and any tool calls and results in the messages as the
         template can take them (`tools.template_inputs`); `template_kwargs` (vLLM's
         `chat_template_kwargs`, e.g. `enable_thinking`) are the template's extra variables."""
         reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(template_kwargs or ()))
         if reserved:
-            raise APIError(400, f"chat_template_kwargs cannot set {', '.join(reserved)}",
-                           param="chat_template_kwargs")
+            raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(reserved)}",
+                                      param="chat_template_kwargs", code="invalid_request")
         template = self.chat_template
         if template is None:
-            raise APIError(400, f"model {self.config.served_model_name!r} has no chat template; "
-                                "start the server with --chat-template FILE", param="messages",
-                           code="no_chat_template")
+            raise InvalidRequestError(
+                f"model {self.config.served_model_name!r} has no chat template; start the "
+                "server with --chat-template FILE", param="messages", code="no_chat_template")
         inputs = [m.as_template_input() for m in messages]
         if tools is None and not template_kwargs and not any(
                 m.get("tool_calls") or m["role"] == "tool" for m in inputs):
@@ -231,29 +233,5 @@ class ServerState:
                 if out.error is not None:
                     # The engine could not serve it (KV pool held by pinned sessions, a
                     # failed KV load under "fail"): nothing wrong with the request itself.
-                    raise APIError(503, out.error, code="request_failed")
+                    raise RequestFailedError(out.error, code="request_failed")
                 yield out
-
-    @staticmethod
-    async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-        """Await `work`, cancelling it (and so aborting its request) if the client leaves."""
-        task = asyncio.ensure_future(work)
-
-        async def watch() -> None:
-            while not task.done():
-                if await request.is_disconnected():
-                    task.cancel()
-                    return
-                await asyncio.sleep(0.25)
-
-        watcher = asyncio.ensure_future(watch())
-        try:
-            return await task
-        except asyncio.CancelledError:
-            if watcher.done() and task.cancelled():  # we cancelled it: the client is gone
-                raise APIError(499, "the client closed the request") from None
-            raise
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher

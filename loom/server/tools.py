@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from loom.errors import InvalidRequestError
 from loom.sampling_params import StructuredOutputsParams
-from loom.server.errors import APIError
 from loom.server.protocol import Tool, ToolFields
 from loom.server.tool_calls import CALL_CLOSE, CALL_OPEN, format_call
 from loom.tokenizer import ChatTemplate
@@ -77,23 +77,27 @@ def plan_tools(body: ToolFields, constrained: bool = False) -> ToolPlan:
     names = [t.function.name for t in tools]
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate is not None:
-        raise APIError(400, f"tools name the function {duplicate!r} twice", param="tools")
+        raise InvalidRequestError(f"tools name the function {duplicate!r} twice",
+                                  param="tools", code="invalid_request")
     choice = body.tool_choice
     if choice is None:
         choice = "auto" if tools else "none"
     if choice != "none" and not tools:
-        raise APIError(400, f"tool_choice {_shown(choice)} needs tools", param="tool_choice")
+        raise InvalidRequestError(f"tool_choice {_shown(choice)} needs tools",
+                                  param="tool_choice", code="invalid_request")
     if choice == "none":
         return ToolPlan((), None, body.parallel_tool_calls)
     if choice == "auto":
         return ToolPlan(tools, None, body.parallel_tool_calls)
     forced = choice if isinstance(choice, str) else choice.function.name
     if forced != "required" and forced not in names:
-        raise APIError(400, f"tool_choice names the function {forced!r}, which is not in "
-                            f"tools ({', '.join(names)})", param="tool_choice")
+        raise InvalidRequestError(f"tool_choice names the function {forced!r}, which is not "
+                                  f"in tools ({', '.join(names)})", param="tool_choice",
+                                  code="invalid_request")
     if constrained:
-        raise APIError(400, f"tool_choice {_shown(choice)} cannot be combined with "
-                            "response_format or structured_outputs", param="tool_choice")
+        raise InvalidRequestError(f"tool_choice {_shown(choice)} cannot be combined with "
+                                  "response_format or structured_outputs",
+                                  param="tool_choice", code="invalid_request")
     return ToolPlan(tools, forced, body.parallel_tool_calls)
 
 
