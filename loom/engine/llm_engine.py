@@ -60,10 +60,10 @@ class LLMEngine:
                 config.kv_transfer, config.kv_cache_spec, KVConnectorRole.SCHEDULER
             )
         self.scheduler = Scheduler(config.scheduler, self.kv_connector)
-        # KV cache events for KV-aware routers: bound now (a bad address fails the start),
-        # attached to the cache after the calibration, which leaves the cache empty.
-        self.kv_events: KVEventStream | None = create_kv_event_stream(config.kv_events,
-                                                                      config.device)
+        # KV cache events for KV-aware routers: opened last (after the calibration, which
+        # leaves the cache empty), so a start that fails before leaves no socket bound; a
+        # bad address fails the start.
+        self.kv_events: KVEventStream | None = None
         self.eos_token_ids: set[int] = set(tokenizer.eos_token_ids) | set(config.eos_token_ids)
         hooks: list[SequenceHook] = list(config.hooks)
         if config.special_kwargs is not None:
@@ -94,6 +94,7 @@ class LLMEngine:
             self._persisted = PersistedSessions(self.session_store, self.sessions)
         if config.scheduler.max_step_ms is not None:  # the time budget holds from the start
             calibrate_step_cost(self)
+        self.kv_events = create_kv_event_stream(config.kv_events, config.device)
         if self.kv_events is not None:
             self.scheduler.kv.attach_events(self.kv_events.collector)
 
