@@ -11,12 +11,13 @@ import asyncio
 import time
 
 import pytest
+from distributed.conftest import replica_actor
 from server.conftest import engine_args
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from loom.distributed.launch import DEPLOYMENT, start_replicas  # noqa: E402
+from loom.distributed.launch import start_replicas  # noqa: E402
 from loom.errors import SessionLostError  # noqa: E402
 from loom.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
@@ -32,18 +33,6 @@ def greedy(max_tokens: int = 6) -> SamplingParams:
 def run(coro, timeout: float = TIMEOUT_S):
     """Run a coroutine to its end, failing (not hanging) past `timeout`."""
     return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    began = time.monotonic()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    print(f"ray.init: {time.monotonic() - began:.1f} s")
-    try:
-        yield
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +60,6 @@ async def segment(client, sid: str, fragment, max_tokens: int = 6):
         logprobs += [{t: lp.logprob for t, lp in pos.items()} for pos in completion.logprobs]
         reason = completion.finish_reason or reason
     return tokens, logprobs, reason
-
-
-def replica_actor(app: str, replica: str):
-    return ray.get_actor(f"SERVE_REPLICA::{app}#{DEPLOYMENT}#{replica}", namespace="serve")
 
 
 def test_a_sessions_calls_stay_on_its_replica_and_new_requests_follow_the_prefix(stored):

@@ -16,6 +16,7 @@ import time
 
 import httpx
 import pytest
+from distributed.conftest import replica_actor
 from redis_process import start_redis
 from server.conftest import engine_args, run_server
 from server.test_server_robustness import TEMPLATE
@@ -23,21 +24,11 @@ from server.test_server_robustness import TEMPLATE
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from loom.distributed.launch import DEPLOYMENT, start_replicas  # noqa: E402
+from loom.distributed.launch import start_replicas  # noqa: E402
 
 PROMPT = "Once upon a time, in a land far away, there lived"
 SEGMENT = {"max_tokens": 6, "temperature": 0, "logprobs": 2}
 TIMEOUT_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +57,6 @@ def server(ray_instance, redis, tiny_models):
             yield srv
     finally:
         client.shutdown()
-
-
-def replica_actor(app: str, replica: str):
-    return ray.get_actor(f"SERVE_REPLICA::{app}#{DEPLOYMENT}#{replica}", namespace="serve")
 
 
 def post(srv, path: str, body: dict, **headers: str) -> httpx.Response:
