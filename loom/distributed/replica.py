@@ -117,7 +117,6 @@ class EngineReplica:
         self.engine = AsyncLLMEngine(LLMEngine.from_engine_args(engine_args),
                                      replica=self.replica_id)
         self._draining: str | None = None  # why, once draining
-        self._seen: dict[str, None] = {}  # ids this replica created or served, in order
         self._watcher: asyncio.Task[None] | None = None
         self._directory().register.remote(self.replica_id)
 
@@ -159,9 +158,7 @@ class EngineReplica:
             self._admit(op, route)
             if op == "drain":
                 return Served(self.replica_id, await self._drain("drained on request"))
-            named = _named_id(op, args)
             value = await getattr(self.engine, op)(*args, **(kwargs or {}))
-            self._note(op, args, named)
             return Served(self.replica_id, value)
         except LoomError as error:
             return Served(self.replica_id, error=self._explain(error, op, args, route),
@@ -175,10 +172,6 @@ class EngineReplica:
         route = route or Route()
         try:
             self._admit(op, route)
-            if op == "generate":
-                request_id = args[2] if len(args) > 2 else None
-                if request_id:
-                    self._seen[request_id] = None
             source = getattr(self.engine, op)(*args, **(kwargs or {}))
             yield Served(self.replica_id)  # opened here: the client pins to this replica
             async with contextlib.aclosing(source):
@@ -196,14 +189,6 @@ class EngineReplica:
         if self._draining is not None and op not in ("readings", "drain", "close", "abort"):
             raise ReplicaUnavailableError(
                 f"replica {self.replica_id} is draining ({self._draining}); retry on another")
-
-    def _note(self, op: str, args: tuple[Any, ...], named: str | None) -> None:
-        if op == "fork_session" and len(args) > 1:
-            self._seen[args[1]] = None
-        elif op == "restore_session":
-            pass  # the id is returned; the client names it in later calls
-        if named is not None:
-            self._seen[named] = None
 
     def _explain(self, error: LoomError, op: str, args: tuple[Any, ...],
                  route: Route) -> LoomError:
@@ -244,10 +229,7 @@ class EngineReplica:
         with contextlib.suppress(Exception):
             self._directory().mark_gone.remote(self.replica_id, why)
         engine, stopped = self.engine, []
-        for request_id in list(self._seen):
-            if not engine.is_live(request_id):
-                self._seen.pop(request_id, None)
-                continue
+        for request_id in await engine.live_request_ids():
             try:
                 view = await engine.get_session(request_id)
             except (InvalidSessionStateError, UnknownRequestError):

@@ -249,6 +249,11 @@ class AsyncLLMEngine:
         """`is_live`, as the engine-client protocol asks it."""
         return self.engine.is_live(request_id)
 
+    async def live_request_ids(self) -> list[str]:
+        """The ids of every live request and session (read under the lock: a step running
+        on the worker thread changes them)."""
+        return await self._call(self.engine.table.group_ids)
+
     async def readings(self) -> list[EngineReading]:
         """This engine's reading (read without the lock: see `loom/engine/readings.py`)."""
         observed = self.observer.counts() if self.observer is not None else None
