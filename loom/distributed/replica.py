@@ -118,7 +118,11 @@ class EngineReplica:
                                      replica=self.replica_id)
         self._draining: str | None = None  # why, once draining
         self._watcher: asyncio.Task[None] | None = None
-        self._directory().register.remote(self.replica_id)
+        directory = self._directory()
+        directory.register.remote(self.replica_id)
+        # A session the engine ended by itself (expired) loses its pin: the directory does
+        # not grow with sessions nobody closed.
+        self.engine.on_ended.append(lambda request_id: directory.unpin.remote(request_id))
 
     def _directory(self) -> Any:
         import ray

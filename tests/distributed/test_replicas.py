@@ -87,6 +87,26 @@ def test_a_sessions_calls_stay_on_its_replica_and_new_requests_follow_the_prefix
     run(scenario())
 
 
+def test_a_session_that_expires_on_its_replica_loses_its_pin(stored):
+    from loom.distributed.directory import DIRECTORY_NAMESPACE, directory_name
+
+    directory = ray.get_actor(directory_name("stored"), namespace=DIRECTORY_NAMESPACE)
+
+    async def scenario():
+        await stored.add_request("ttl-a", PROMPT, None, session=True, ttl_s=0.3)
+        await segment(stored, "ttl-a", [60], max_tokens=1)
+        assert ray.get(directory.lookup.remote("ttl-a")) == stored.replica_of("ttl-a")
+        await asyncio.sleep(0.6)
+        # The next step on that replica expires it (a request sharing its prefix goes there).
+        [o async for o in stored.generate(PROMPT + [61], greedy(1), "ttl-b")]
+        deadline = time.monotonic() + 10
+        while ray.get(directory.lookup.remote("ttl-a")) is not None:
+            assert time.monotonic() < deadline, "the expired session kept its pin"
+            await asyncio.sleep(0.05)
+
+    run(scenario())
+
+
 def test_a_killed_replicas_session_continues_bit_identically_from_the_store(stored):
     async def conversation(sid: str, kill: bool):
         await stored.add_request(sid, PROMPT, None, session=True)
