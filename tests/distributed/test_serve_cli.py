@@ -1,0 +1,82 @@
+"""`loom serve --replicas 2` as a user starts it: a real process that starts its own Ray
+instance, answers the openai client from two replicas (the response naming its replica),
+keeps a session on its replica, and whose Ctrl-C ends Ray with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from processes import alive, children, free_port
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("ray.serve")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Ray's daemons are its children's children)."""
+    found, todo = [], [pid]
+    while todo:
+        for child in children(todo.pop()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def test_serve_replicas_answers_the_openai_client_and_ctrl_c_ends_ray(tiny_models):
+    folder, _ = tiny_models["gemma3"]
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "loom.cli", "serve", "--model", str(folder),
+         "--served-model-name", "tiny", "--replicas", "2", "--replica-threads", "1",
+         "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "128",
+         "--block-size", "4", "--port", str(port), "--log-level", "warning"],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, f"loom serve exited with {server.returncode}"
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "loom serve --replicas 2 did not come up"
+            time.sleep(0.25)
+        ray_processes = descendants(server.pid)
+        assert ray_processes  # Ray's daemons and the two replicas' workers
+
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
+                               timeout=60)
+        raw = client.completions.with_raw_response.create(
+            model="tiny", prompt="The quick brown fox", max_tokens=4, temperature=0.0)
+        assert raw.parse().choices[0].finish_reason == "length"
+        assert raw.headers["x-loom-replica"]
+
+        opened = httpx.post(f"{base}/v1/sessions", json={"prompt": "Once upon a time"},
+                            timeout=60)
+        sid, home = opened.json()["id"], opened.headers["x-loom-replica"]
+        for text in (" there", " was"):
+            turn = httpx.post(f"{base}/v1/sessions/{sid}/append",
+                              json={"text": text, "max_tokens": 3, "temperature": 0},
+                              timeout=60)
+            assert turn.status_code == 200 and turn.headers["x-loom-replica"] == home
+
+        server.send_signal(signal.SIGINT)  # what Ctrl-C sends
+        assert server.wait(timeout=90) == 0
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in ray_processes) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in ray_processes), "Ray outlived loom serve"
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
