@@ -1,11 +1,12 @@
 """Two builds of Loom's CPU kernels on one operation, alternating in one process.
 
 A kernel change is judged against the source it replaces: both versions of
-`loom/kernels/cpu_kernels.c` (a git revision and the working tree, or two files) are compiled
-with the flags Loom uses, loaded side by side, and called in turns on the same inputs, so a
-noisy host's drift hits both. The outputs are compared bit for bit first. Prints one JSON
-object: best time per call of each build, streaming from memory (a fresh copy per call,
-as a decode step's weights or a real model's per-layer caches are) and hot in the caches.
+`loom/kernels/cpu_kernels.c` and its parts (a git revision and the working tree, or two
+files) are compiled with the flags Loom uses, loaded side by side, and called in turns on
+the same inputs, so a noisy host's drift hits both. The outputs are compared bit for bit
+first. Prints one JSON object: best time per call of each build, streaming from memory (a
+fresh copy per call, as a decode step's weights or a real model's per-layer caches are) and
+hot in the caches.
 
     python benchmarks/ab_kernels.py --base HEAD attention --context 512 --kv-heads 32 --heads 32
     python benchmarks/ab_kernels.py --base HEAD w4a8 --rows 1 --n 16384 --k 2048 --type 12
@@ -51,11 +52,13 @@ def source_of(spec: str, folder: Path, name: str) -> Path:
         return ROOT / SOURCE
     if Path(spec).is_file():
         return Path(spec)
-    text = subprocess.run(["git", "-C", str(ROOT), "show", f"{spec}:{SOURCE}"], check=True,
-                          capture_output=True, text=True).stdout
-    path = folder / f"{name}.c"
-    path.write_text(text)
-    return path
+    # The revision's whole kernels folder: the unit includes its parts by relative path.
+    tree = folder / name
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", spec, "loom/kernels"],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree / SOURCE
 
 
 def build(source: Path, variant: str, out: Path) -> ctypes.CDLL:

@@ -1,4 +1,5 @@
-"""Compile `cpu_kernels.c` once per machine with the system C compiler and load it.
+"""Compile `cpu_kernels.c` (and the parts under `cpu/` it includes) once per machine with
+the system C compiler and load it.
 
 One source, several variants (`VARIANTS`): the same C compiled with the flags of an
 instruction-set target. At load the widest variant whose CPU features the host has (read
@@ -33,6 +34,15 @@ from loom.cache_dir import loom_cache_dir
 from loom.cpu_features import cpu_flags
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
+# The parts SOURCE includes (one file per job), compiled with it as one translation unit.
+PARTS = Path(__file__).with_name("cpu")
+
+
+def source_bytes() -> bytes:
+    """The kernels' whole source: the unit and every part it includes, in a fixed order (a
+    change to any of them is a new build)."""
+    files = [SOURCE, *sorted(PARTS.glob("*.[ch]"))]
+    return b"".join(f.name.encode() + b"\0" + f.read_bytes() for f in files)
 # -mf16c: float16 KV caches (every AVX2 CPU has F16C). -ffp-contract=off: every fused
 # multiply-add is an explicit intrinsic, so results do not depend on how the compiler
 # contracts the scalar code (batch invariance relies on it).
@@ -181,7 +191,7 @@ def _build(compiler: str, variant: KernelVariant) -> Path:
         [compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join(flags).encode() + version.encode()
+        source_bytes() + " ".join(flags).encode() + version.encode()
     ).hexdigest()[:16]
     target = loom_cache_dir("kernels") / f"loom_cpu_{variant.name}_{key}.so"
     if target.exists():

@@ -1,0 +1,201 @@
+/* The fused decoder layer (a step's layers in one parallel region): a part of cpu_kernels.c's one translation unit, after the parts it includes before it. */
+
+/* ---- one decoder layer for a step's tokens (decodes and prefill chunks), in one call ---- */
+
+/* A linear layer as the fused decoder sees it. */
+typedef struct {
+    /* 0 float32 weight, 1 int8 weight-only (row-major), 2 int8 weights x int8 activations
+     * (the weight packed as w8a8_body reads it), 3 w4a8 (weight: a W4Segments) */
+    int32_t kind;
+    int32_t reserved;
+    int64_t in_features, out_features;
+    const void *weight; /* float32 or int8 [out_features, in_features], or packed (kind 2) */
+    const float *scale; /* [out_features] for the int8 kinds */
+    const float *bias;  /* [out_features] or NULL */
+} LoomLinear;
+
+/* A pre-norm decoder layer (Llama, Qwen2/3) or, with sandwich_norms, Gemma's layer with norms
+ * after attention and after the MLP as well. Norms compute x / rms(x) * (w + norm_offset). */
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, norm_offset;
+    int32_t activation;     /* 0 silu, 1 gelu with the tanh approximation */
+    int32_t sandwich_norms; /* 1: x + norm(attn), x + norm(mlp); 0: x + attn, x + mlp */
+    float attn_scale, softcap; /* softcap 0 = off */
+    int64_t window;            /* 0 = full attention */
+    LoomLinear qkv, o, gate_up, down;
+    const float *input_norm, *post_attn_norm, *pre_ffn_norm, *post_ffn_norm;
+    const float *q_norm, *k_norm; /* NULL: no QK norm */
+} LoomDecoderLayer;
+
+static void w4_linear_kind3_body(const void *segments, const float *x, int64_t m, int64_t k,
+                                 const float *bias, float *y, const QuantBuffers *q);
+
+/* q: the workspace for quantised activations, sized for m rows of the widest input. */
+static void linear_any_body(const LoomLinear *l, const float *x, int64_t m, float *y,
+                            const QuantBuffers *q) {
+    if (l->kind == 0) {
+        f32_body(x, m, l->in_features, (const float *)l->weight, l->bias, l->out_features, y);
+    } else if (l->kind == 1) {
+        w8_body(x, m, l->in_features, (const int8_t *)l->weight, l->scale, l->bias,
+                l->out_features, y);
+    } else if (l->kind == 2) {
+        quantize_rows_body(x, m, l->in_features, q->xq, q->xs, q->xsum);
+        w8a8_body(q->xq, q->xs, q->xsum, m, l->in_features, (const uint8_t *)l->weight, l->scale,
+                  l->bias, l->out_features, y);
+    } else {
+        w4_linear_kind3_body(l->weight, x, m, l->in_features, l->bias, y, q);
+    }
+}
+
+static inline float gelu_tanh(float v) {
+    const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
+    return 0.5f * v * (1.0f + tanhf(c * (v + 0.044715f * v * v * v)));
+}
+
+/* act(g) * u for 8 lanes: act 1 = tanh-GELU (tanh(y) = 1 - 2 / (exp(2y) + 1)), else SiLU. */
+static inline __m256 gated_act256(__m256 g, __m256 u, int activation) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    if (activation == 1) {
+        const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+        __m256 y = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                 _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), g3, g));
+        y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-9.0f)), _mm256_set1_ps(9.0f));
+        const __m256 e = exp256(_mm256_add_ps(y, y));
+        const __m256 t = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f),
+                                                          _mm256_add_ps(e, one)));
+        return _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g),
+                                           _mm256_add_ps(one, t)), u);
+    }
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u);
+}
+
+/* Buffers one layer needs, shared by the threads of the step's parallel region. */
+typedef struct {
+    float *h, *qkv, *q, *k, *q_rot, *k_rot, *attn, *gu, *act;
+    QuantBuffers quant;
+} Workspace;
+
+/* x += norm(h) with Gemma's sandwich norms (`norm` the post-attention or post-feedforward
+ * weight), else x += h: a block's output joins the residual stream. */
+static void add_block_output(const LoomDecoderLayer *L, const float *norm, const float *h,
+                             float *x, int64_t m) {
+    if (L->sandwich_norms) {
+        rms_norm_body(h, m, L->hidden, norm, L->norm_offset, L->eps, x, x);
+    } else {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < m * L->hidden; t++) x[t] += h[t];
+    }
+}
+
+/* One layer, called by every thread of the enclosing parallel region. */
+static void decode_layer_body(const LoomDecoderLayer *L, float *x, int64_t m, const float *cos_t,
+                              const float *sin_t, void *k_cache, void *v_cache, int f16,
+                              const int64_t *slots, const int64_t *q_start,
+                              const int64_t *block_tables, int64_t max_blocks,
+                              const int64_t *seq_lens, int64_t block_size, const AttnPlan *plan,
+                              const Workspace *ws) {
+    const int64_t hid = L->hidden, d = L->head_dim, inter = L->intermediate;
+    const int64_t qd = L->heads * d, kd = L->kv_heads * d, qkv_n = qd + 2 * kd;
+
+    /* Attention block. */
+    rms_norm_body(x, m, hid, L->input_norm, L->norm_offset, L->eps, NULL, ws->h);
+    linear_any_body(&L->qkv, ws->h, m, ws->qkv, &ws->quant);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        memcpy(ws->q + r * qd, ws->qkv + r * qkv_n, (size_t)qd * sizeof(float));
+        memcpy(ws->k + r * kd, ws->qkv + r * qkv_n + qd, (size_t)kd * sizeof(float));
+    }
+    if (L->q_norm)
+        rms_norm_body(ws->q, m * L->heads, d, L->q_norm, L->norm_offset, L->eps, NULL, ws->q);
+    if (L->k_norm)
+        rms_norm_body(ws->k, m * L->kv_heads, d, L->k_norm, L->norm_offset, L->eps, NULL, ws->k);
+    rope_body(ws->q, m, L->heads, d, cos_t, sin_t, ws->q_rot);
+    rope_body(ws->k, m, L->kv_heads, d, cos_t, sin_t, ws->k_rot);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        const int64_t at = slots[r] * kd * (f16 ? 2 : 4);
+        store_kv_row((char *)k_cache + at, ws->k_rot + r * kd, kd, f16);
+        store_kv_row((char *)v_cache + at, ws->qkv + r * qkv_n + qd + kd, kd, f16);
+    }
+    attention_body(ws->q_rot, q_start, k_cache, v_cache, block_tables, max_blocks, seq_lens,
+                   L->heads, L->kv_heads, d, block_size, L->window, L->attn_scale, L->softcap,
+                   plan, ws->attn, f16);
+    linear_any_body(&L->o, ws->attn, m, ws->h, &ws->quant);
+    add_block_output(L, L->post_attn_norm, ws->h, x, m);
+
+    /* Feed-forward block. */
+    rms_norm_body(x, m, hid, L->pre_ffn_norm, L->norm_offset, L->eps, NULL, ws->h);
+    linear_any_body(&L->gate_up, ws->h, m, ws->gu, &ws->quant);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        const float *g = ws->gu + r * 2 * inter, *u = g + inter;
+        float *a = ws->act + r * inter;
+        int64_t j = 0;
+        for (; j + 8 <= inter; j += 8)
+            _mm256_storeu_ps(a + j, gated_act256(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j),
+                                                 L->activation));
+        for (; j < inter; j++)
+            a[j] = (L->activation == 1 ? gelu_tanh(g[j]) : g[j] / (1.0f + expf(-g[j]))) * u[j];
+    }
+    linear_any_body(&L->down, ws->act, m, ws->h, &ws->quant);
+    add_block_output(L, L->post_ffn_norm, ws->h, x, m);
+}
+
+/* All decoder layers of a step: x [m, hidden] (updated in place) holds the step's m new
+ * tokens, sequence i owning tokens [q_start[i], q_start[i + 1]), the last positions of its
+ * seq_lens[i]. Token t goes to cache slot slots[t]; layer l rotates with cos_t[l]/sin_t[l]
+ * [m, head_dim] and keeps its cache in k_caches[l]/v_caches[l] [blocks, block_size, kv_heads,
+ * head_dim] (float32, or float16 when kv_f16). K/V of the new tokens are written first;
+ * attention then reads each context from the paged cache (block_tables [num_seqs,
+ * max_blocks]); max_len >= every seq_len. Each layer runs the kernels above in the order the
+ * modules call them. */
+LOOM_EXPORT void loom_decode_layers(const LoomDecoderLayer *layers, int64_t num_layers, float *x,
+                                    int64_t m, const float *const *cos_t,
+                                    const float *const *sin_t, void *const *k_caches,
+                                    void *const *v_caches, const int64_t *slots,
+                                    const int64_t *q_start, int64_t num_seqs,
+                                    const int64_t *block_tables, int64_t max_blocks,
+                                    const int64_t *seq_lens, int64_t block_size,
+                                    int64_t max_len, int64_t kv_f16) {
+    int64_t qkv_n = 0, qd = 0, kd = 0, hid = 0, inter = 0, max_k = 0, heads = 0;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const LoomDecoderLayer *L = &layers[l];
+        const int64_t lq = L->heads * L->head_dim, lk = L->kv_heads * L->head_dim;
+        qd = lq > qd ? lq : qd;
+        kd = lk > kd ? lk : kd;
+        qkv_n = lq + 2 * lk > qkv_n ? lq + 2 * lk : qkv_n;
+        hid = L->hidden > hid ? L->hidden : hid;
+        inter = L->intermediate > inter ? L->intermediate : inter;
+        heads = L->heads > heads ? L->heads : heads;
+    }
+    max_k = hid > qd ? hid : qd;
+    max_k = inter > max_k ? inter : max_k;
+    Workspace ws;
+    ws.h = (float *)malloc((size_t)(m * hid) * sizeof(float));
+    ws.qkv = (float *)malloc((size_t)(m * qkv_n) * sizeof(float));
+    ws.q = (float *)malloc((size_t)(m * qd) * sizeof(float));
+    ws.k = (float *)malloc((size_t)(m * kd) * sizeof(float));
+    ws.q_rot = (float *)malloc((size_t)(m * qd) * sizeof(float));
+    ws.k_rot = (float *)malloc((size_t)(m * kd) * sizeof(float));
+    ws.attn = (float *)malloc((size_t)(m * qd) * sizeof(float));
+    int64_t head_dim = 0;
+    for (int64_t l = 0; l < num_layers; l++)
+        head_dim = layers[l].head_dim > head_dim ? layers[l].head_dim : head_dim;
+    const AttnPlan plan = attn_plan(q_start, num_seqs, heads, head_dim, max_len);
+    ws.gu = (float *)malloc((size_t)(m * 2 * inter) * sizeof(float));
+    ws.act = (float *)malloc((size_t)(m * inter) * sizeof(float));
+    ws.quant = quant_buffers(m, max_k);
+#pragma omp parallel
+    for (int64_t l = 0; l < num_layers; l++) {
+        decode_layer_body(&layers[l], x, m, cos_t[l], sin_t[l], k_caches[l], v_caches[l],
+                          kv_f16 != 0, slots,
+                          q_start, block_tables, max_blocks, seq_lens, block_size, &plan,
+                          &ws);
+    }
+    free(ws.h), free(ws.qkv), free(ws.q), free(ws.k), free(ws.q_rot), free(ws.k_rot);
+    free(ws.attn), free(ws.gu), free(ws.act);
+    free_attn_plan(plan);
+    free_quant_buffers(ws.quant);
+}

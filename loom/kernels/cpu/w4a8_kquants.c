@@ -1,0 +1,513 @@
+/* w4a8 from GGUF K-quant blocks (Q4_K, Q5_K, Q6_K): a part of cpu_kernels.c's one translation unit, after the parts it includes before it. */
+
+/* ---- w4a8: GGUF K-quant weights computed from their own blocks, int8 activations ----
+ *
+ * The weights of a Q4_K or Q6_K tensor are the file's integers and scales, repacked once
+ * (`loom_w4a8_pack`) so that a 32-byte load holds 4 consecutive k of 8 output columns, as
+ * the w8a8 kernel reads its weights; activations are rounded to int8 per block of 32 as w8a8
+ * rounds them (quantize_row_q8). For output column c and activation row r, over the blocks b
+ * of 32 k in order (super-block s = b / 8, sub-block j = b % 8; xs, X = the block's scale and
+ * the plain sum of its int8 values; X_lo, X_hi the sums of its two halves of 16):
+ *
+ *   Q4_K (w = d * sc * q - dmin * m, q in 0..15):
+ *     I    = sum q * xq over the block (exact int32)
+ *     acc  = fmaf((float)I, (d[s] * (float)sc[s][j]) * xs, acc)
+ *     mins = fmaf(dmin[s] * (float)m[s][j], xs * (float)X, mins)
+ *     y    = acc - mins (+ bias)
+ *   Q5_K (w = d * sc * q - dmin * m, q in 0..31): as Q4_K
+ *   Q6_K (w = d * sc16 * (q - 32), q in 0..63, one scale per 16 k):
+ *     J    = sc[s][2j] * (I_lo - 32 * X_lo) + sc[s][2j + 1] * (I_hi - 32 * X_hi)   (int32)
+ *     acc  = fmaf((float)J, d[s] * xs, acc)
+ *     y    = acc (+ bias)
+ *
+ * Every integer is exact (|J| < 2^24, so its float is too) and every float operation runs
+ * in this order in every variant and in `loom_linear_w4a8_ref` (plain C, one output at a
+ * time: the tests' oracle): a row's result is the same bits in any call, batch or chunk.
+ *
+ * Packed layout, per group of 8 columns (the last padded with zero weights) and super-block
+ * of 256 k, records one after another along k:
+ *   Q4_K (1216 bytes): d[8] f32 | dmin[8] f32 | sc[8 blocks][8 cols] u8 | m[8][8] u8 |
+ *                      lo[8 blocks][128]
+ *   Q5_K (2240 bytes): as Q4_K's header | q[8 blocks][256]
+ *   Q6_K (2208 bytes): d[8] f32 | sc[16 halves][8 cols] i8 | q[8 blocks][256]
+ * lo: byte v * 32 + c * 4 + i holds k = 8 v + i (low nibble) and 8 v + 4 + i (high nibble)
+ * of the block; Q5_K's and Q6_K's q one byte each, byte t * 32 + c * 4 + i for k = 4 t + i: a
+ * 6-bit value costs as many operations to unpack as to multiply, and on two cores the
+ * unpacking made Q6_K layers compute-bound at half the memory's bandwidth (measured: an
+ * output projection 5.7 ms packed in 6 bits against 3.7 ms for w8a8's bytes). */
+
+#define W4_SB 256
+#define W4_Q4_0 2
+#define W4_Q4_1 3
+#define W4_Q5_0 6
+#define W4_Q5_1 7
+#define W4_Q8_0 8
+#define W4_Q4K 12
+#define W4_Q5K 13
+#define W4_Q6K 14
+#define W4_REC_Q4K 1216
+#define W4_REC_Q5K 2240
+#define W4_REC_Q6K 2208
+
+/* The blocks of 32 (see "w4a8 over blocks of 32" below). */
+static inline int w4_is_b32(int64_t type) {
+    return type == W4_Q4_0 || type == W4_Q4_1 || type == W4_Q5_0 || type == W4_Q5_1 ||
+           type == W4_Q8_0;
+}
+/* Q4_1, Q5_1: w = d * q + m. */
+static inline int w4_b32_has_m(int64_t type) { return type == W4_Q4_1 || type == W4_Q5_1; }
+/* Q4_0, Q4_1: values packed two to a byte (the others one byte each). */
+static inline int w4_b32_nibbles(int64_t type) { return type == W4_Q4_0 || type == W4_Q4_1; }
+/* What the stored value holds above the signed one: w = d * (q - offset). */
+static inline int w4_b32_offset(int64_t type) {
+    return type == W4_Q4_0 ? 8 : type == W4_Q5_0 ? 16 : type == W4_Q8_0 ? 128 : 0;
+}
+/* Where a b32 record's values start (after d[8], and m[8] where the type has one). */
+static inline int64_t w4_b32_q_at(int64_t type) { return w4_b32_has_m(type) ? 64 : 32; }
+
+static inline int64_t w4_record_bytes(int64_t type) {
+    if (w4_is_b32(type))
+        return w4_b32_q_at(type) + (w4_b32_nibbles(type) ? 128 : 256);
+    return type == W4_Q4K ? W4_REC_Q4K : type == W4_Q5K ? W4_REC_Q5K
+         : type == W4_Q6K ? W4_REC_Q6K : -1;
+}
+
+/* k a record covers: a super-block of 256, or one block of 32. */
+static inline int64_t w4_record_k(int64_t type) { return w4_is_b32(type) ? QBLOCK : W4_SB; }
+
+/* Types of the form w = d * sc * q - dmin * m (Q4_K, Q5_K): the same record header and the
+ * same float arithmetic; their q differ in width and packing. */
+static inline int w4_has_mins(int64_t type) { return type == W4_Q4K || type == W4_Q5K; }
+
+/* The q values (0..15 or 0..63) and scales of one file super-block of one row. */
+static void w4_decode_q4k(const uint8_t *b, float *d, float *dmin, uint8_t sc[8],
+                          uint8_t mn[8], uint8_t q[256]) {
+    *d = f16_to_f32(b), *dmin = f16_to_f32(b + 2);
+    k_scale_min(b + 4, sc, mn);
+    for (int o = 0; o < 256; o++) q[o] = (uint8_t)q4_k_value(b, o);
+}
+
+/* Q5_K's five-bit value of element o of a block: the four low bits as Q4_K's, the fifth is
+ * bit o / 32 of qh[o % 32]. */
+static inline int q5_k_value(const uint8_t *b, int o) {
+    const uint8_t *qh = b + 16, *qs = b + 48;
+    const int g = o / 32, i = o % 32;
+    return ((qs[32 * (g / 2) + i] >> (4 * (g % 2))) & 0x0F) | (((qh[i] >> g) & 1) << 4);
+}
+
+static void w4_decode_q5k(const uint8_t *b, float *d, float *dmin, uint8_t sc[8],
+                          uint8_t mn[8], uint8_t q[256]) {
+    *d = f16_to_f32(b), *dmin = f16_to_f32(b + 2);
+    k_scale_min(b + 4, sc, mn);
+    for (int o = 0; o < 256; o++) q[o] = (uint8_t)q5_k_value(b, o);
+}
+
+static void w4_decode_q6k(const uint8_t *b, float *d, int8_t sc[16], uint8_t q[256]) {
+    for (int o = 0; o < 256; o++) q[o] = (uint8_t)q6_k_value(b, o);
+    memcpy(sc, b + 192, 16);
+    *d = f16_to_f32(b + 208);
+}
+
+/* One file block of 32 of a b32 type: its scale d, its m (Q4_1, Q5_1; else 0) and its 32
+ * values as stored in a record (Q8_0's int8 value + 128, the others as the file has them). */
+static void w4_decode_b32(int64_t type, const uint8_t *b, float *d, float *m, uint8_t q[32]) {
+    *d = f16_to_f32(b);
+    *m = w4_b32_has_m(type) ? f16_to_f32(b + 2) : 0.0f;
+    if (type == W4_Q8_0) {
+        for (int j = 0; j < 32; j++) q[j] = (uint8_t)((int)(int8_t)b[2 + j] + 128);
+        return;
+    }
+    const int has_m = w4_b32_has_m(type), five = !w4_b32_nibbles(type);
+    const uint8_t *qs = b + 2 + 2 * has_m + 4 * five;
+    uint32_t qh = 0;
+    if (five) memcpy(&qh, b + 2 + 2 * has_m, 4); /* bit j: the fifth bit of value j */
+    for (int j = 0; j < 16; j++) {
+        q[j] = (uint8_t)((qs[j] & 0x0F) | (((qh >> j) & 1) << 4));
+        q[16 + j] = (uint8_t)((qs[j] >> 4) | (((qh >> (16 + j)) & 1) << 4));
+    }
+}
+
+/* Q4_K: the byte of k-in-block kk, column c in a block's lo area, and its nibble's shift. */
+static inline int w4_lo_at(int c, int kk) { return (kk / 8) * 32 + c * 4 + kk % 4; }
+static inline int w4_lo_shift(int kk) { return 4 * ((kk / 4) % 2); }
+/* Q6_K's byte of k-in-super-block kk, column c. */
+static inline int w4_byte_at(int c, int kk) { return (kk / 4) * 32 + c * 4 + kk % 4; }
+
+/* raw: the file's blocks of a [n, k] tensor (rows of k / 256 super-blocks, or k / 32 blocks);
+ * out: the packed layout above, or the blocks of 32's below (zeroed by the caller). Returns
+ * 0, or -1 for another type or a k that is not a multiple of the type's block. */
+LOOM_EXPORT int64_t loom_w4a8_pack(int64_t type, const uint8_t *raw, int64_t n, int64_t k,
+                                   uint8_t *out) {
+    const int64_t rec = w4_record_bytes(type), rk = w4_record_k(type);
+    if (rec < 0 || k % rk) return -1;
+    const int64_t nsb = k / rk;
+    const int64_t src_bytes = type == W4_Q4K ? 144 : type == W4_Q5K ? 176 : type == W4_Q6K ? 210
+                            : type == W4_Q4_0 ? 18 : type == W4_Q4_1 ? 20
+                            : type == W4_Q5_0 ? 22 : type == W4_Q5_1 ? 24 : 34;
+    const int64_t groups = (n + COLS - 1) / COLS;
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t s = 0; s < nsb; s++) {
+            uint8_t *r = out + (g * nsb + s) * rec;
+            for (int c = 0; c < COLS && g * COLS + c < n; c++) {
+                const uint8_t *b = raw + ((g * COLS + c) * nsb + s) * src_bytes;
+                uint8_t q[256];
+                float d;
+                if (w4_is_b32(type)) {
+                    float m;
+                    w4_decode_b32(type, b, &d, &m, q);
+                    if (w4_b32_has_m(type)) memcpy(r + 32 + 4 * c, &m, 4);
+                    const int64_t at = w4_b32_q_at(type);
+                    for (int kk = 0; kk < 32; kk++) {
+                        if (w4_b32_nibbles(type))
+                            r[at + w4_lo_at(c, kk)] |= (uint8_t)(q[kk] << w4_lo_shift(kk));
+                        else
+                            r[at + w4_byte_at(c, kk)] = q[kk];
+                    }
+                } else if (w4_has_mins(type)) {
+                    uint8_t sc[8], mn[8];
+                    float dmin;
+                    if (type == W4_Q4K)
+                        w4_decode_q4k(b, &d, &dmin, sc, mn, q);
+                    else
+                        w4_decode_q5k(b, &d, &dmin, sc, mn, q);
+                    memcpy(r + 32 + 4 * c, &dmin, 4);
+                    for (int j = 0; j < 8; j++) r[64 + j * 8 + c] = sc[j], r[128 + j * 8 + c] = mn[j];
+                    for (int kk = 0; kk < 256; kk++) {
+                        if (type == W4_Q4K)
+                            r[192 + (kk / 32) * 128 + w4_lo_at(c, kk % 32)] |=
+                                (uint8_t)(q[kk] << w4_lo_shift(kk % 32));
+                        else
+                            r[192 + w4_byte_at(c, kk)] = q[kk];
+                    }
+                } else {
+                    int8_t sc[16];
+                    w4_decode_q6k(b, &d, sc, q);
+                    for (int h = 0; h < 16; h++) r[32 + h * 8 + c] = (uint8_t)sc[h];
+                    for (int kk = 0; kk < 256; kk++) r[160 + w4_byte_at(c, kk)] = q[kk];
+                }
+                memcpy(r + 4 * c, &d, 4);
+            }
+        }
+    return 0;
+}
+
+/* Weight of column c (0..7), k-in-super-block kk, of one record, with the file's float
+ * operations (dequant_q4_k / dequant_q6_k): the same bits as dequantising the file. */
+static inline float w4_weight(int64_t type, const uint8_t *r, int c, int kk) {
+    const int j = kk / 32, i = kk % 32;
+    float d;
+    memcpy(&d, r + 4 * c, 4);
+    if (w4_is_b32(type)) { /* kk < 32: one block a record */
+        const int64_t at = w4_b32_q_at(type);
+        const int q = w4_b32_nibbles(type) ? (r[at + w4_lo_at(c, kk)] >> w4_lo_shift(kk)) & 15
+                                           : r[at + w4_byte_at(c, kk)];
+        if (!w4_b32_has_m(type)) return d * (float)(q - w4_b32_offset(type));
+        float m;
+        memcpy(&m, r + 32 + 4 * c, 4);
+        return d * (float)q + m;
+    }
+    if (w4_has_mins(type)) {
+        float dmin;
+        memcpy(&dmin, r + 32 + 4 * c, 4);
+        const int q = type == W4_Q4K ? (r[192 + j * 128 + w4_lo_at(c, i)] >> w4_lo_shift(i)) & 15
+                                     : r[192 + w4_byte_at(c, kk)];
+        return d * (float)r[64 + j * 8 + c] * (float)q - dmin * (float)r[128 + j * 8 + c];
+    }
+    const float ds = d * (float)(int8_t)r[32 + (2 * j + i / 16) * 8 + c];
+    return ds * (float)(r[160 + w4_byte_at(c, kk)] - 32);
+}
+
+/* The float32 weight [n, k] of a packed tensor (tests, and hosts without the kernels'
+ * w4a8 path). Returns 0 or -1 for an unknown type. */
+LOOM_EXPORT int64_t loom_w4a8_dequantize(int64_t type, const uint8_t *packed, int64_t n,
+                                         int64_t k, float *out) {
+    const int64_t rec = w4_record_bytes(type), rk = w4_record_k(type);
+    if (rec < 0 || k % rk) return -1;
+    const int64_t nsb = k / rk;
+#pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < n; o++)
+        for (int64_t s = 0; s < nsb; s++) {
+            const uint8_t *r = packed + ((o / COLS) * nsb + s) * rec;
+            for (int kk = 0; kk < rk; kk++)
+                out[o * k + s * rk + kk] = w4_weight(type, r, (int)(o % COLS), kk);
+        }
+    return 0;
+}
+
+/* The activations of a w4a8 call are QuantBuffers with xsx and x16 filled. */
+typedef QuantBuffers W4Act;
+
+/* The sum of 16 int8 values (explicit 256-bit code: a vectorised loop on the AVX-512 build
+ * would use 512-bit instructions, which the kernels avoid). */
+static inline int32_t w4_sum16(__m128i v) {
+    const __m256i s = _mm256_madd_epi16(_mm256_cvtepi8_epi16(v), _mm256_set1_epi16(1));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+    return _mm_cvtsi128_si32(t);
+}
+
+static void w4_act_finish_row(W4Act a, int64_t r, int64_t k) {
+    const int64_t nb = k / QBLOCK;
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *q = a.xq + r * k + b * QBLOCK;
+        const int32_t lo = w4_sum16(_mm_loadu_si128((const __m128i *)q));
+        const int32_t hi = w4_sum16(_mm_loadu_si128((const __m128i *)(q + 16)));
+        a.x16[(r * nb + b) * 2] = lo, a.x16[(r * nb + b) * 2 + 1] = hi;
+        a.xsx[r * nb + b] = a.xs[r * nb + b] * (float)(lo + hi);
+    }
+}
+
+static void w4_act_body(const float *x, int64_t m, int64_t k, W4Act a) {
+    const int64_t nb = k / QBLOCK;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; r++) {
+        quantize_row_q8(x + r * k, k, a.xq + r * k, a.xs + r * nb, a.xsum + r * nb);
+        w4_act_finish_row(a, r, k);
+    }
+}
+
+/* The segments of a w4a8 linear layer (what LoomLinear.weight points to for kind 3). */
+#define W4_MAX_SEGMENTS 4
+typedef struct {
+    int64_t count;
+    int64_t types[W4_MAX_SEGMENTS];
+    const uint8_t *packed[W4_MAX_SEGMENTS];
+    int64_t columns[W4_MAX_SEGMENTS];
+} W4Segments;
+
+static void w4_linear_segments_body(const W4Segments *segs, const W4Act *a, int64_t m,
+                                    int64_t k, const float *bias, float *y);
+
+static inline __m256i w4_x4(const W4Act *a, int64_t row, int64_t k, int64_t at) {
+    int32_t v;
+    memcpy(&v, a->xq + row * k + at, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* 8 bytes -> 8 floats (u8 or i8). */
+static inline __m256 w4_u8x8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline __m256i w4_i8x8(const uint8_t *p) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+
+#define W4_MAXR 6
+/* Rows of a prefill tile of Q4_K / Q5_K with AVX-512VL's registers (Q6_K's two accumulators
+ * per output keep 4). */
+#ifndef W4_PREFILL_ROWS
+#define W4_PREFILL_ROWS 6
+#endif
+#define W4_MAXC 2
+/* With AVX-512VL's 32 vector registers, tiles of 4 rows (6 for Q4_K / Q5_K) x 2 groups keep
+ * their accumulators in registers (AVX2's 16 hold 2 x 2). */
+#if defined(__AVX512VL__)
+#define W4_WIDE 1
+#else
+#define W4_WIDE 0
+#endif
+/* Software prefetch distance over a group's records (the DRAM stream of a decode step). */
+#define W4_PREFETCH_RECORDS 4
+
+/* iacc[r][c] + the exact products of one block of 32 activations (at: its first k) of rows
+ * r0 .. r0 + R with C groups' weights at q[c]: nibbles (Q4_K's lo area, Q4_0, Q4_1), 4 steps
+ * of 8 k; or one byte a value (Q5_K, Q5_0, Q5_1; Q8_0's value + 128 with `q8`), 8 steps of
+ * 4 k. The integer sums are exact in any order. */
+static inline __attribute__((always_inline)) void w4_block_dots(
+    __m256i iacc[W4_MAXR][W4_MAXC], const uint8_t *const q[W4_MAXC], int nibbles, int q8,
+    const W4Act *a, int64_t r0, int R, int C, int64_t k, int64_t at) {
+    if (nibbles) {
+        const __m256i low4 = _mm256_set1_epi8(15);
+        for (int v = 0; v < 4; v++) {
+            __m256i lo[W4_MAXC], hi[W4_MAXC];
+            for (int c = 0; c < C; c++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(q[c] + v * 32));
+                lo[c] = _mm256_and_si256(raw, low4);
+                hi[c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            }
+            for (int r = 0; r < R; r++) {
+                const __m256i x0 = w4_x4(a, r0 + r, k, at + 8 * v);
+                const __m256i x1 = w4_x4(a, r0 + r, k, at + 8 * v + 4);
+                for (int c = 0; c < C; c++)
+                    iacc[r][c] = dot_u8s8(dot_u8s8(iacc[r][c], lo[c], x0), hi[c], x1);
+            }
+        }
+        return;
+    }
+    for (int t = 0; t < 8; t++) {
+        __m256i w[W4_MAXC];
+        for (int c = 0; c < C; c++) w[c] = _mm256_loadu_si256((const __m256i *)(q[c] + t * 32));
+        for (int r = 0; r < R; r++) {
+            const __m256i x = w4_x4(a, r0 + r, k, at + 4 * t);
+            for (int c = 0; c < C; c++)
+                iacc[r][c] = q8 ? dot4x8_i8(iacc[r][c], w[c], x) : dot_u8s8(iacc[r][c], w[c], x);
+        }
+    }
+}
+
+/* y[r0 + r, columns of groups g0 + c] = acc[r][c] (+ bias): a tile's results, the last
+ * group's padding columns left out. */
+static inline __attribute__((always_inline)) void w4_store_tile(
+    __m256 acc[W4_MAXR][W4_MAXC], int R, int C, int64_t r0, int64_t g0, int64_t n,
+    const float *bias, float *y, int64_t ny) {
+    for (int c = 0; c < C; c++) {
+        const int64_t col = (g0 + c) * COLS;
+        const int64_t valid = n - col < COLS ? n - col : COLS;
+        for (int r = 0; r < R; r++) {
+            float v[COLS];
+            _mm256_storeu_ps(v, acc[r][c]);
+            float *yr = y + (r0 + r) * ny + col;
+            for (int64_t i = 0; i < valid; i++) yr[i] = bias ? v[i] + bias[col + i] : v[i];
+        }
+    }
+}
+
+/* y[r0 .. r0 + R, columns of groups g0 .. g0 + C] of one segment, as the arithmetic above
+ * says; w: the segment's packed weight, n its columns, y0 the segment's first column in y
+ * (row stride ny). */
+static inline __attribute__((always_inline)) void w4_tile(
+    int64_t type, const W4Act *a, int64_t r0, int R, int64_t k, const uint8_t *w, int64_t g0,
+    int C, int64_t n, const float *bias, float *y, int64_t ny, int prefetch) {
+    const int64_t nsb = k / W4_SB, nb = k / QBLOCK, rec = w4_record_bytes(type);
+    /* Q4_K's and Q5_K's minimum terms: in the main loop where registers allow (decode),
+     * else in their own pass over the blocks (below); the same operations in the same
+     * order either way */
+    const int INLINE_MINS = w4_has_mins(type) && R * C <= 2;
+    __m256 acc[W4_MAXR][W4_MAXC], mins[W4_MAXR][W4_MAXC];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = mins[r][c] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < nsb; s++) {
+        const uint8_t *rc[W4_MAXC];
+        for (int c = 0; c < C; c++) rc[c] = w + ((g0 + c) * nsb + s) * rec;
+        /* the groups' records are one stream: a group's first records follow the last of
+         * the one before */
+        if (prefetch && (g0 + C - 1) * nsb + s + W4_PREFETCH_RECORDS < (n + COLS - 1) / COLS * nsb)
+            for (int c = 0; c < C; c++) prefetch_bytes(rc[c] + W4_PREFETCH_RECORDS * rec, rec);
+        for (int j = 0; j < 8; j++) {
+            const int64_t b = s * 8 + j, at = b * QBLOCK;
+            if (w4_has_mins(type)) {
+                __m256i iacc[W4_MAXR][W4_MAXC];
+                for (int r = 0; r < R; r++)
+                    for (int c = 0; c < C; c++) iacc[r][c] = _mm256_setzero_si256();
+                const uint8_t *q[W4_MAXC];
+                for (int c = 0; c < C; c++)
+                    q[c] = rc[c] + 192 + j * (type == W4_Q4K ? 128 : 256);
+                w4_block_dots(iacc, q, type == W4_Q4K, 0, a, r0, R, C, k, at);
+                for (int c = 0; c < C; c++) {
+                    const __m256 ds = _mm256_mul_ps(_mm256_loadu_ps((const float *)rc[c]),
+                                                    w4_u8x8(rc[c] + 64 + j * 8));
+                    for (int r = 0; r < R; r++) {
+                        const int64_t ab = (r0 + r) * nb + b;
+                        const __m256 coef = _mm256_mul_ps(ds, _mm256_set1_ps(a->xs[ab]));
+                        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][c]), coef,
+                                                    acc[r][c]);
+                    }
+                    if (INLINE_MINS) {
+                        const __m256 dm = _mm256_mul_ps(_mm256_loadu_ps((const float *)(rc[c] + 32)),
+                                                        w4_u8x8(rc[c] + 128 + j * 8));
+                        for (int r = 0; r < R; r++)
+                            mins[r][c] = _mm256_fmadd_ps(
+                                dm, _mm256_set1_ps(a->xsx[(r0 + r) * nb + b]), mins[r][c]);
+                    }
+                }
+            } else {
+                /* J = sum over the halves of sc_h * sum q * xq, minus 32 * (sc_a X_a +
+                 * sc_b X_b): the scales enter as the int16 multipliers of the pair sums
+                 * (maddubs pairs, then madd by the column's scale: exact), the correction
+                 * as one madd of the (sc_a, sc_b) pair by (X_a, X_b). */
+                __m256i iacc[W4_MAXR][W4_MAXC];
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+                /* VNNI: each half's plain sums (one instruction a step), then the scales. */
+                __m256i ihi[W4_MAXR][W4_MAXC], sc32[W4_MAXC][2];
+                for (int c = 0; c < C; c++) {
+                    sc32[c][0] = w4_i8x8(rc[c] + 32 + 16 * j);
+                    sc32[c][1] = w4_i8x8(rc[c] + 40 + 16 * j);
+                }
+#else
+                /* AVX2: the scales are the int16 multipliers of the pair sums; pair16 holds
+                 * each column's (sc_a, sc_b) for the correction. */
+                __m256i scale16[W4_MAXC][2], pair16[W4_MAXC];
+                for (int c = 0; c < C; c++) {
+                    const __m128i sa = _mm_loadl_epi64((const __m128i *)(rc[c] + 32 + 16 * j));
+                    const __m128i sb = _mm_loadl_epi64((const __m128i *)(rc[c] + 40 + 16 * j));
+                    scale16[c][0] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sa, sa));
+                    scale16[c][1] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sb, sb));
+                    pair16[c] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sa, sb));
+                }
+#endif
+                for (int r = 0; r < R; r++) {
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+                    /* each half's sum starts from -32 X (the q - 32 offset), so the scale
+                     * multiplies (I - 32 X) directly */
+                    const int64_t ab = (r0 + r) * nb + b;
+                    const __m256i lo0 = _mm256_set1_epi32(-32 * a->x16[2 * ab]);
+                    const __m256i hi0 = _mm256_set1_epi32(-32 * a->x16[2 * ab + 1]);
+                    for (int c = 0; c < C; c++) iacc[r][c] = lo0, ihi[r][c] = hi0;
+#else
+                    for (int c = 0; c < C; c++) iacc[r][c] = _mm256_setzero_si256();
+#endif
+                }
+                for (int t = 0; t < 8; t++) { /* steps of 4 k; 0-3 the first half */
+                    __m256i q[W4_MAXC];
+                    for (int c = 0; c < C; c++)
+                        q[c] = _mm256_loadu_si256(
+                            (const __m256i *)(rc[c] + 160 + j * 256 + t * 32));
+                    for (int r = 0; r < R; r++) {
+                        const __m256i x = w4_x4(a, r0 + r, k, at + 4 * t);
+                        for (int c = 0; c < C; c++) {
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+                            if (t < 4) iacc[r][c] = dot_u8s8(iacc[r][c], q[c], x);
+                            else ihi[r][c] = dot_u8s8(ihi[r][c], q[c], x);
+#else
+                            iacc[r][c] = _mm256_add_epi32(iacc[r][c], _mm256_madd_epi16(
+                                _mm256_maddubs_epi16(q[c], x), scale16[c][t / 4]));
+#endif
+                        }
+                    }
+                }
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+                for (int r = 0; r < R; r++)
+                    for (int c = 0; c < C; c++)
+                        iacc[r][c] = _mm256_add_epi32(_mm256_mullo_epi32(sc32[c][0], iacc[r][c]),
+                                                      _mm256_mullo_epi32(sc32[c][1], ihi[r][c]));
+#endif
+                for (int c = 0; c < C; c++) {
+                    const __m256 d = _mm256_loadu_ps((const float *)rc[c]);
+                    for (int r = 0; r < R; r++) {
+                        const int64_t ab = (r0 + r) * nb + b;
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+                        const __m256i jj = iacc[r][c]; /* the offset is in already */
+#else
+                        const uint32_t xab = (uint32_t)(uint16_t)a->x16[2 * ab] |
+                                             (uint32_t)a->x16[2 * ab + 1] << 16;
+                        const __m256i corr = _mm256_slli_epi32(
+                            _mm256_madd_epi16(pair16[c], _mm256_set1_epi32((int32_t)xab)), 5);
+                        const __m256i jj = _mm256_sub_epi32(iacc[r][c], corr);
+#endif
+                        const __m256 coef = _mm256_mul_ps(d, _mm256_set1_ps(a->xs[ab]));
+                        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(jj), coef, acc[r][c]);
+                    }
+                }
+            }
+        }
+    }
+    /* The minimum terms of larger tiles, in their own pass over the blocks (in order):
+     * out of the main loop's registers, which the products' accumulators need. */
+    for (int c = 0; w4_has_mins(type) && !INLINE_MINS && c < C; c++) {
+        for (int64_t s = 0; s < nsb; s++) {
+            const uint8_t *rcs = w + ((g0 + c) * nsb + s) * rec;
+            const __m256 dmin = _mm256_loadu_ps((const float *)(rcs + 32));
+            for (int j = 0; j < 8; j++) {
+                const __m256 dm = _mm256_mul_ps(dmin, w4_u8x8(rcs + 128 + j * 8));
+                for (int r = 0; r < R; r++)
+                    mins[r][c] = _mm256_fmadd_ps(
+                        dm, _mm256_set1_ps(a->xsx[(r0 + r) * nb + s * 8 + j]), mins[r][c]);
+            }
+        }
+    }
+    for (int r = 0; w4_has_mins(type) && r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_sub_ps(acc[r][c], mins[r][c]);
+    w4_store_tile(acc, R, C, r0, g0, n, bias, y, ny);
+}
