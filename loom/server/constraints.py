@@ -22,8 +22,8 @@ from loom.server.tools import ToolPlan
 
 def requested_constraint(body: ConstraintFields) -> tuple[StructuredOutputsParams | None, str]:
     """The constraint `response_format` or `structured_outputs` asks for (None: free text) and
-    the field that asked (for errors); a 400 naming the field when it is malformed or when
-    both ask."""
+    the field that asked (for errors); an InvalidRequestError naming the field when it is
+    malformed or when both ask."""
     fmt, vllm = body.response_format, body.structured_outputs
     if fmt is not None and fmt.type != "text" and vllm is not None:
         raise InvalidRequestError("give response_format or structured_outputs, not both",
@@ -65,8 +65,8 @@ async def check_constraint(engine: Any, params: SamplingParams, param: str) -> N
 async def constrain(state: Any, params: SamplingParams, requested: StructuredOutputsParams | None,
                     param: str, tools: ToolPlan | None = None) -> SamplingParams:
     """`params` under the request's constraint: the forced tool call's grammar, else the
-    requested one; each checked to compile first (a 400 naming `tools` or `param`). Offered
-    tools' parameter schemas are checked even when no call is forced."""
+    requested one; each checked to compile first (an InvalidRequestError naming `tools` or
+    `param`). Offered tools' parameter schemas are checked even when no call is forced."""
     if tools is not None and tools.offered:
         # The end token follows the calls unless the sampler may not end (it would be stuck).
         can_end = not params.ignore_eos and params.min_tokens == 0

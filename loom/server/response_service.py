@@ -157,7 +157,8 @@ class ResponseService:
         return self.store.get(response_id, owner).body
 
     async def delete(self, response_id: str, owner: str) -> None:
-        """Forget a stored response and close its session (a 409 while it generates)."""
+        """Forget a stored response and close its session (InvalidSessionStateError while it
+        generates)."""
         entry = self.store.get(response_id, owner)
         if entry.status == "in_progress":
             raise InvalidSessionStateError(f"response {response_id!r} is still in progress",

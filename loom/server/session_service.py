@@ -211,7 +211,7 @@ class SessionService:
 
         # Deltas: the segment's output is exactly what it generated, whatever a caller
         # appends to the session meanwhile. Its max_tokens is resolved by the engine for the
-        # session's length (a 400 naming it, before anything is appended).
+        # session's length (refused naming it, before anything is appended).
         params = body.sampling_params(None, body.logprobs).with_updates(
             output_kind=RequestOutputKind.DELTA, structured_outputs=checked.structured_outputs)
         before = await state.engine.start_segment(session_id, params, fragment, heal,
@@ -228,7 +228,8 @@ class SessionService:
         if body.starts_generation:
             # The fragment is appended first, so the segment's text and token counts start
             # after it; the step that computes the fragment samples the first token. A
-            # session that is generating is refused (409) before the fragment is appended.
+            # session that is generating is refused (InvalidSessionStateError) before the
+            # fragment is appended.
             return await self.segment(session_id, owner, body, fragment, heal=body.heal)
         engine = self.state.engine
         appended = await engine.append(session_id, fragment, heal=body.heal)

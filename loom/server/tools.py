@@ -70,9 +70,9 @@ class ToolPlan:
 
 
 def plan_tools(body: ToolFields, constrained: bool = False) -> ToolPlan:
-    """Validate `tools`, `tool_choice`, `parallel_tool_calls` (a 400 naming the field);
-    `constrained`: the request has a response_format or structured_outputs already, which a
-    forced call cannot combine with."""
+    """Validate `tools`, `tool_choice`, `parallel_tool_calls` (an InvalidRequestError naming
+    the field); `constrained`: the request has a response_format or structured_outputs
+    already, which a forced call cannot combine with."""
     tools = tuple(body.tools or ())
     names = [t.function.name for t in tools]
     duplicate = next((n for n in names if names.count(n) > 1), None)
