@@ -261,7 +261,7 @@ def dequantize_gguf_blocks(raw: np.ndarray, type_id: int, out: torch.Tensor) -> 
     return lib.loom_dequantize(type_id, raw.ctypes.data, blocks, out.data_ptr()) == 0
 
 
-# GGUF block types the w4a8 kernel computes from (see "w4a8" in cpu_kernels.c): type id ->
+# GGUF block types the w4a8 kernel computes from (see "w4a8" in cpu/w4a8_kquants.c): type id ->
 # (packed bytes per group of 8 columns and record, k a record covers). The K-quants of Q4_K_M
 # and Q5_K_M files (Q4_K, Q5_K, Q6_K) in records of a super-block of 256; the blocks of 32
 # (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: whole files of those types, and the K-quants' fallback where
@@ -271,7 +271,7 @@ W4A8_TYPES: dict[int, tuple[int, int]] = {
     2: (160, 32), 3: (192, 32), 6: (288, 32), 7: (320, 32), 8: (288, 32),
 }
 W4A8_GROUP = 8
-W4A8_MAX_SEGMENTS = 4  # W4_MAX_SEGMENTS in cpu_kernels.c
+W4A8_MAX_SEGMENTS = 4  # W4_MAX_SEGMENTS in cpu/w4a8_kquants.c
 
 
 def w4a8_record_k(type_id: int) -> int:

@@ -1,4 +1,4 @@
-"""The weight layout Loom's w8a8 kernel reads (`w8a8_body` in cpu_kernels.c).
+"""The weight layout Loom's w8a8 kernel reads (`w8a8_body` in cpu/w8a8.c).
 
 Output columns in groups of PACKED_COLUMNS, each group's K in steps of 4, stored as unsigned
 bytes w + 128: one 32-byte load holds 4 consecutive k of 8 columns, and a group is one
@@ -23,7 +23,7 @@ _TOP_BITS = -0x7F7F7F80
 def to_packed_layout(w_int8: torch.Tensor) -> torch.Tensor:
     """[N, K] int8 -> the w8a8 kernel's layout: uint8 [ceil(N/8), K/4, 8, 4] holding w + 128,
     columns in groups of 8, each group's K in steps of 4 (the last group padded with zero
-    weights). See `w8a8_body` in cpu_kernels.c. Converted a slice of groups at a time."""
+    weights). See `w8a8_body` in cpu/w8a8.c. Converted a slice of groups at a time."""
     n, k = w_int8.shape
     groups = -(-n // PACKED_COLUMNS)
     packed = torch.empty((groups, k // 4, PACKED_COLUMNS, 4), dtype=torch.uint8)

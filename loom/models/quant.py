@@ -4,7 +4,7 @@ Weights are per-output-channel symmetric int8 (w[n, k] ~ w_int8[n, k] * scale[n]
 activations on a CPU with Loom's compiled kernels (`loom.kernels`) run through C kernels:
 "w8a8" rounds the activations to int8 per block of 32 and multiplies in integers (vpdpbusd
 on VNNI CPUs), with the weight packed for that kernel; it serves every call, one decode row
-or a prefill chunk of thousands, by one arithmetic (see `w8a8_body` in cpu_kernels.c), so a
+or a prefill chunk of thousands, by one arithmetic (see `w8a8_body` in kernels/cpu/w8a8.c), so a
 row's result is the same bits in any batch. "int8" keeps the activations in float32 and uses
 its kernel for small calls. Elsewhere small batches use `aten._weight_int8pack_mm` on
 bfloat16 activations, and large ones dequantise and use the float matmul ("w8a8" after

@@ -10,9 +10,9 @@ once for the kernel (`loom.kernels.w4a8_pack`: groups of 8 output columns; 4.75 
 weight for Q4_K, 5 for Q4_0, 6 for Q4_1; 8.6-10 for Q5_K, Q6_K, Q5_0, Q5_1 and Q8_0, whose
 values are kept one byte each), and every
 call, a decode row or a prefill chunk of thousands, runs one arithmetic
-(`loom_linear_w4a8` in cpu_kernels.c): activations rounded to int8 per block of 32 as w8a8
-rounds them, each block's products summed exactly in integers, the float scaling in one
-fixed order. A row's result is the same bits in any
+(`loom_linear_w4a8` in kernels/cpu/w4a8_kquants.c): activations rounded to int8 per
+block of 32 as w8a8 rounds them, each block's products summed exactly in integers, the
+float scaling in one fixed order. A row's result is the same bits in any
 batch, chunk or kernel variant; the weights are the file's (no second quantisation).
 
 Stacked projections (q/k/v, gate/up) become one layer of several segments, each in its own

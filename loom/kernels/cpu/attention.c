@@ -1,4 +1,6 @@
-/* Paged attention over float32 or float16 K/V caches: a part of cpu_kernels.c's one translation unit, after the parts it includes before it. */
+/* Paged attention over float32 or float16 K/V caches.
+ * A part of cpu_kernels.c's one translation unit: it may use what common.h and the parts
+ * included before it define. */
 
 static inline void axpy_f32(float alpha, const float *x, float *y, int64_t d) {
     __m256 a = _mm256_set1_ps(alpha);

@@ -1,4 +1,6 @@
-/* The headers and the vector helpers every kernel shares: a part of cpu_kernels.c's one translation unit, after the parts it includes before it. */
+/* The headers and the vector helpers every kernel shares.
+ * A part of cpu_kernels.c's one translation unit: it may use what common.h and the parts
+ * included before it define. */
 
 #include <immintrin.h>
 #include <math.h>

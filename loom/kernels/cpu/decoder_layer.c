@@ -1,4 +1,6 @@
-/* The fused decoder layer (a step's layers in one parallel region): a part of cpu_kernels.c's one translation unit, after the parts it includes before it. */
+/* The fused decoder layer (a step's layers in one parallel region).
+ * A part of cpu_kernels.c's one translation unit: it may use what common.h and the parts
+ * included before it define. */
 
 /* ---- one decoder layer for a step's tokens (decodes and prefill chunks), in one call ---- */
 

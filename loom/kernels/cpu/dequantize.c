@@ -1,4 +1,6 @@
-/* GGUF block dequantisation: a part of cpu_kernels.c's one translation unit, after the parts it includes before it. */
+/* GGUF block dequantisation.
+ * A part of cpu_kernels.c's one translation unit: it may use what common.h and the parts
+ * included before it define. */
 
 /* ---- GGUF block dequantisation --------------------------------------------------------
  * loom_dequantize(type, src, nblocks, dst): `nblocks` consecutive blocks of a GGML block

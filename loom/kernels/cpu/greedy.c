@@ -1,4 +1,6 @@
-/* Greedy sampling: argmax and log-sum-exp per row: a part of cpu_kernels.c's one translation unit, after the parts it includes before it. */
+/* Greedy sampling: argmax and log-sum-exp per row.
+ * A part of cpu_kernels.c's one translation unit: it may use what common.h and the parts
+ * included before it define. */
 
 /* ---- greedy sampling: argmax and log-sum-exp of each logits row, in one read ---- */
 

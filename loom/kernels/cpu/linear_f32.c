@@ -1,4 +1,6 @@
-/* float32 weights, small batches: a part of cpu_kernels.c's one translation unit, after the parts it includes before it. */
+/* float32 weights, small batches.
+ * A part of cpu_kernels.c's one translation unit: it may use what common.h and the parts
+ * included before it define. */
 
 /* ---- float32 weights: small batches, where BLAS repacks the whole weight every call ---- */
 

@@ -1,4 +1,6 @@
-/* int8 weights x float32 activations, small batches: a part of cpu_kernels.c's one translation unit, after the parts it includes before it. */
+/* int8 weights x float32 activations, small batches.
+ * A part of cpu_kernels.c's one translation unit: it may use what common.h and the parts
+ * included before it define. */
 
 /* out[i] = dot(w_i, x) for 4 consecutive int8 rows w_0..w_3 (stride k) and one float row x.
  * Eight independent accumulators hide the FMA latency; each weight is converted once. */

@@ -1,4 +1,6 @@
-/* RMSNorm (with residual), rotary embedding, the build's variant name: a part of cpu_kernels.c's one translation unit, after the parts it includes before it. */
+/* RMSNorm (with residual), rotary embedding, the build's variant name.
+ * A part of cpu_kernels.c's one translation unit: it may use what common.h and the parts
+ * included before it define. */
 
 /* out[r] = residual[r] + x[r] / rms(x[r]) * (w + offset), per row r of [rows, dim];
  * residual may be NULL (then nothing is added). offset is 1 for Gemma's (1 + w) weights and

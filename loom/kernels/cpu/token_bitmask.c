@@ -1,4 +1,6 @@
-/* Structured output's token bitmask on logits rows: a part of cpu_kernels.c's one translation unit, after the parts it includes before it. */
+/* Structured output's token bitmask on logits rows.
+ * A part of cpu_kernels.c's one translation unit: it may use what common.h and the parts
+ * included before it define. */
 
 /* ---- structured output: a grammar's token bitmask applied to logits rows ---- */
 

@@ -1,4 +1,6 @@
-/* w4a8 from GGUF blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): a part of cpu_kernels.c's one translation unit, after the parts it includes before it. */
+/* w4a8 from GGUF blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
+ * A part of cpu_kernels.c's one translation unit: it may use what common.h and the parts
+ * included before it define. */
 
 /* ---- w4a8 over blocks of 32: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 ----
  *

@@ -1,4 +1,6 @@
-/* w4a8 from GGUF K-quant blocks (Q4_K, Q5_K, Q6_K): a part of cpu_kernels.c's one translation unit, after the parts it includes before it. */
+/* w4a8 from GGUF K-quant blocks (Q4_K, Q5_K, Q6_K).
+ * A part of cpu_kernels.c's one translation unit: it may use what common.h and the parts
+ * included before it define. */
 
 /* ---- w4a8: GGUF K-quant weights computed from their own blocks, int8 activations ----
  *

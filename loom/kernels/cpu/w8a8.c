@@ -1,4 +1,6 @@
-/* w8a8: int8 weights x int8 activations: a part of cpu_kernels.c's one translation unit, after the parts it includes before it. */
+/* w8a8: int8 weights x int8 activations.
+ * A part of cpu_kernels.c's one translation unit: it may use what common.h and the parts
+ * included before it define. */
 
 /* ---- int8 weights x int8 activations (activations quantised per block of 32 on the fly) ---- */
 
