@@ -1,9 +1,11 @@
-"""Helpers for tests that start servers and processes: a free loopback port, and which
-processes are alive or whose children they are (read from /proc)."""
+"""Helpers for tests that start servers and processes: a free loopback port, which
+processes are alive or whose children they are (read from /proc), and waiting for a
+`loom serve` process to answer."""
 
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 
 
@@ -37,3 +39,20 @@ def children(pid: int) -> list[int]:
             if fields is not None and int(fields[1]) == pid:
                 found.append(int(entry.name))
     return found
+
+
+def wait_until_serving(process, base_url: str, timeout: float) -> None:
+    """Wait until a `loom serve` process answers `GET /health` with 200; fail (naming why)
+    if it exits first or takes longer than `timeout` seconds."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, f"loom serve exited with {process.returncode}"
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "loom serve did not come up"
+        time.sleep(0.25)

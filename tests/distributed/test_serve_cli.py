@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from processes import alive, children, free_port
+from processes import alive, children, free_port, wait_until_serving
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("ray.serve")
@@ -41,16 +41,7 @@ def test_serve_replicas_answers_the_openai_client_and_ctrl_c_ends_ray(tiny_model
     )
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None, f"loom serve exited with {server.returncode}"
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "loom serve --replicas 2 did not come up"
-            time.sleep(0.25)
+        wait_until_serving(server, base, timeout=180)
         ray_processes = descendants(server.pid)
         assert ray_processes  # Ray's daemons and the two replicas' workers
 

@@ -9,9 +9,8 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
-from processes import alive, children, free_port
+from processes import alive, children, free_port, wait_until_serving
 
 from loom import LLM, SamplingParams
 
@@ -31,16 +30,7 @@ def test_serve_answers_the_openai_client_and_ctrl_c_ends_every_worker(tiny_model
     )
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, f"loom serve exited with {server.returncode}"
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "loom serve did not come up"
-            time.sleep(0.25)
+        wait_until_serving(server, base, timeout=120)
         workers = children(server.pid)
         assert len(workers) == 1
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0,
