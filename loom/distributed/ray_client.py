@@ -19,8 +19,9 @@ The model's facts are local: the config is fetched from a replica once, the toke
 input processor are built here from it, and the session store is opened here from the
 config's KV transfer settings (the same store the replicas share, or None).
 
-A key set with `routed_by(key)` (an `x-session-id` header, say) pins the new requests made
-under it to one replica, as a session id would.
+The affinity key of the calls' `CallScope` (`loom.engine.client.call_scope`: an
+`x-session-id` header, say) pins the new requests made under it to one replica, as a
+session id would.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import asyncio
 import contextlib
 import itertools
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -37,7 +38,7 @@ from loom.distributed.directory import Pins
 from loom.distributed.live import running_replicas
 from loom.distributed.replica import ReplicaInfo, Served
 from loom.distributed.routing import Route, prefix_hashes
-from loom.engine.client import call_scope, current_scope
+from loom.engine.client import current_scope
 from loom.engine.config import EngineConfig
 from loom.engine.input_processor import InputProcessor
 from loom.engine.outputs import RequestOutput
@@ -154,14 +155,6 @@ class RayEngineClient:
         """The replica ids Serve reports running (as this process's router last saw)."""
         return running_replicas(self.app_name, self.deployment)
 
-    @staticmethod
-    @contextlib.contextmanager
-    def routed_by(key: str | None) -> Iterator[None]:
-        """New requests made inside go to the replica pinned to `key` (pinned to the first
-        one's replica), as if `key` were a session they belong to."""
-        with call_scope(key):
-            yield
-
     def _remember(self, request_id: str, replica: str) -> None:
         scope = current_scope()
         if scope is not None:
@@ -198,6 +191,14 @@ class RayEngineClient:
         key = _affinity()
         if key is not None and route.holder is None:
             await self.pins.pin(key, replica)
+
+    async def _pin_new(self, request_id: str, replica: str, route: Route | None = None) -> None:
+        """A call created `request_id` on `replica`: remember and pin it (and, for a new
+        request routed with `route`, its scope's affinity key if that had no pin yet)."""
+        self._remember(request_id, replica)
+        await self.pins.pin(request_id, replica)
+        if route is not None:
+            await self._pin_result(None, route, replica)
 
     # ---- calls ---------------------------------------------------------------------------
 
@@ -246,11 +247,7 @@ class RayEngineClient:
         route = replace(route, request=request_id)
         served = await self._call("add_request", (request_id, prompt, sampling_params),
                                   kwargs, named=request_id, route=route)
-        self._remember(request_id, served.replica)
-        await self.pins.pin(request_id, served.replica)
-        key = _affinity()
-        if key is not None and route.holder is None:
-            await self.pins.pin(key, served.replica)
+        await self._pin_new(request_id, served.replica, route)
 
     async def holds(self, request_id: str) -> bool:
         """Whether a replica holds the id; one pinned to a gone replica that no store can
@@ -284,8 +281,7 @@ class RayEngineClient:
         served = await self._call("fork_session", (request_id, new_id, num_tokens), kwargs,
                                   named=request_id, route=route)
         await self._pin_result(request_id, route, served.replica)
-        self._remember(new_id, served.replica)
-        await self.pins.pin(new_id, served.replica)
+        await self._pin_new(new_id, served.replica)
         return served.value
 
     async def resample(self, request_id: str, sampling_params: SamplingParams | None = None,
@@ -310,8 +306,7 @@ class RayEngineClient:
         route = await self._route(target)
         served = await self._call("restore_session", (snapshot, session_id), None,
                                   named=target, route=route)
-        self._remember(served.value, served.replica)
-        await self.pins.pin(served.value, served.replica)
+        await self._pin_new(served.value, served.replica)
         return served.value
 
     async def close(self, request_id: str) -> None:
@@ -382,9 +377,7 @@ class RayEngineClient:
             async with contextlib.aclosing(source):
                 async for served in source:
                     if served.value is None:  # opened: pin it (and the affinity key)
-                        self._remember(request_id, served.replica)
-                        await self.pins.pin(request_id, served.replica)
-                        await self._pin_result(None, route, served.replica)
+                        await self._pin_new(request_id, served.replica, route)
                         continue
                     yield served.value
                     if served.value.finished:
