@@ -26,6 +26,7 @@ from loom.errors import (
     LoomError,
     QuotaExceededError,
     RequestFailedError,
+    SessionLostError,
     UnknownRequestError,
 )
 from loom.sampling_params import RequestOutputKind
@@ -146,19 +147,21 @@ class SessionService:
 
     async def open(self, owner: str, body: SessionCreateRequest) -> dict[str, Any]:
         """Open a session over a prompt (or messages): its prompt is computed and it
-        pauses. A 429 past the key's quota of open sessions."""
+        pauses. A `QuotaExceededError` past the key's quota of open sessions."""
         state = self.state
         state.check_model(body.model)
         prompt = state.prompt_or_messages(body.prompt, body.messages,
                                           body.add_generation_prompt, tools=body.tools)
-        # Forget this key's sessions that ended meanwhile, then count and reserve with no
-        # await in between: concurrent creations see each other.
-        for sid in [sid for sid, key in state.session_owners.items() if key == owner
-                    and sid not in state.opening_sessions]:
-            if not await state.engine.holds(sid):
-                state.session_owners.pop(sid, None)
-        owned = [sid for sid, key in state.session_owners.items() if key == owner]
-        if len(owned) >= state.config.max_sessions_per_key:
+        quota = state.config.max_sessions_per_key
+        if len(self._owned_by(owner)) >= quota:
+            # At the limit: first forget this key's sessions that ended without the server
+            # hearing of it (a replica's session expired, or was lost with its replica).
+            for sid in self._owned_by(owner):
+                if sid not in state.opening_sessions and not await self._live(sid):
+                    state.session_owners.pop(sid, None)
+        # Count and reserve with no await in between: concurrent creations see each other.
+        owned = self._owned_by(owner)
+        if len(owned) >= quota:
             raise QuotaExceededError(
                 f"this API key has {len(owned)} open sessions, the most allowed "
                 f"(--max-sessions-per-key={state.config.max_sessions_per_key}); close one "
@@ -176,6 +179,17 @@ class SessionService:
             state.opening_sessions.discard(session_id)
         view = await state.engine.get_session(session_id)
         return {"id": session_id, "object": "session", "num_tokens": len(view.token_ids)}
+
+    def _owned_by(self, owner: str) -> list[str]:
+        """The ids of the sessions `owner` opened (or is opening) that the server knows."""
+        return [sid for sid, key in self.state.session_owners.items() if key == owner]
+
+    async def _live(self, session_id: str) -> bool:
+        """Whether an engine holds the session (a lost one is not live)."""
+        try:
+            return await self.state.engine.holds(session_id)
+        except SessionLostError:
+            return False
 
     async def check_owner(self, session_id: str, owner: str) -> None:
         """A 404 unless `owner` owns a live session by this id (restored from the KV store
