@@ -4,7 +4,10 @@ processes are alive or whose children they are (read from /proc), and waiting fo
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -56,3 +59,16 @@ def wait_until_serving(process, base_url: str, timeout: float) -> None:
             pass
         assert time.monotonic() < deadline, "loom serve did not come up"
         time.sleep(0.25)
+
+
+def start_tiny_serve(folder, port: int, *flags: str, quiet: bool = False) -> subprocess.Popen:
+    """`loom serve` on a tiny model folder as a user starts it (served as "tiny", float32 on
+    the CPU, 128 KV blocks of 4, on `port`), with `flags` added; `quiet` drops its output."""
+    output = subprocess.DEVNULL if quiet else None
+    return subprocess.Popen(
+        [sys.executable, "-m", "loom.cli", "serve", "--model", str(folder),
+         "--served-model-name", "tiny", *flags, "--device", "cpu", "--dtype", "float32",
+         "--num-kv-blocks", "128", "--block-size", "4", "--port", str(port),
+         "--log-level", "warning"],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=output, stderr=output,
+    )

@@ -4,15 +4,12 @@ keeps a session on its replica, and whose Ctrl-C ends Ray with it."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
-from processes import alive, children, free_port, wait_until_serving
+from processes import alive, children, free_port, start_tiny_serve, wait_until_serving
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("ray.serve")
@@ -31,14 +28,8 @@ def descendants(pid: int) -> list[int]:
 def test_serve_replicas_answers_the_openai_client_and_ctrl_c_ends_ray(tiny_models):
     folder, _ = tiny_models["gemma3"]
     port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "loom.cli", "serve", "--model", str(folder),
-         "--served-model-name", "tiny", "--replicas", "2", "--replica-threads", "1",
-         "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "128",
-         "--block-size", "4", "--port", str(port), "--log-level", "warning"],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    server = start_tiny_serve(folder, port, "--replicas", "2", "--replica-threads", "1",
+                              quiet=True)
     try:
         base = f"http://127.0.0.1:{port}"
         wait_until_serving(server, base, timeout=180)

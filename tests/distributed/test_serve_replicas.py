@@ -18,7 +18,7 @@ import httpx
 import pytest
 from distributed.conftest import replica_actor
 from redis_process import start_redis
-from server.conftest import engine_args, run_server
+from server.conftest import engine_args, run_server, run_weather_agent
 from server.test_server_robustness import TEMPLATE
 
 ray = pytest.importorskip("ray")
@@ -217,7 +217,7 @@ def test_the_real_model_over_two_replicas_serves_the_agent_clients(ray_instance,
     openai client's Responses chain, openai-agents' Runner calling a function tool and
     LangChain's ChatOpenAI, unchanged; a chain whose replica is killed between two turns
     continues on the other with the same tokens and logprobs as a chain nothing disturbed."""
-    agents = pytest.importorskip("agents")
+    pytest.importorskip("agents")
     openai = pytest.importorskip("openai")
     langchain_openai = pytest.importorskip("langchain_openai")
     from loom.engine.config import EngineArgs
@@ -274,26 +274,8 @@ def test_the_real_model_over_two_replicas_serves_the_agent_clients(ray_instance,
                 assert got[0] == want[0], (got, want)  # tokens
                 assert got[1] == want[1], (got, want)  # logprobs
 
-            agents.set_tracing_disabled(True)
-            calls: list[str] = []
-
-            @agents.function_tool
-            def get_weather(city: str) -> str:
-                """The current weather in a city."""
-                calls.append(city)
-                return json.dumps({"city": city, "temperature_c": 21})
-
-            agent = agents.Agent(
-                name="weather", instructions="Answer with the weather tool.",
-                tools=[get_weather],
-                model=agents.OpenAIResponsesModel(model="gemma", openai_client=openai.AsyncOpenAI(
-                    base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0)),
-                model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
-                                                    max_tokens=32),
-                tool_use_behavior="stop_on_first_tool")
-            result = agents.Runner.run_sync(agent, "What is the weather in Paris?",
-                                            max_turns=2)
-            assert calls and json.loads(result.final_output)["temperature_c"] == 21
+            calls, final_output = run_weather_agent(srv.base_url, "gemma")
+            assert calls and json.loads(final_output)["temperature_c"] == 21
 
             chat = langchain_openai.ChatOpenAI(
                 base_url=f"{srv.base_url}/v1", api_key="unused", model="gemma",

@@ -3,14 +3,13 @@ answers the openai client with TP=1's text, and whose Ctrl-C ends every worker."
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import time
 
 import pytest
-from processes import alive, children, free_port, wait_until_serving
+from processes import alive, children, free_port, start_tiny_serve, wait_until_serving
 
 from loom import LLM, SamplingParams
 
@@ -21,13 +20,7 @@ PROMPTS = ["The quick brown fox", "Once upon a time in a land"]
 def test_serve_answers_the_openai_client_and_ctrl_c_ends_every_worker(tiny_models):
     folder, _ = tiny_models["gemma3"]
     port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "loom.cli", "serve", "--model", str(folder),
-         "--served-model-name", "tiny", "--tensor-parallel-size", "2", "--device", "cpu",
-         "--dtype", "float32", "--num-kv-blocks", "128", "--block-size", "4",
-         "--port", str(port), "--log-level", "warning"],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    server = start_tiny_serve(folder, port, "--tensor-parallel-size", "2")
     try:
         base = f"http://127.0.0.1:{port}"
         wait_until_serving(server, base, timeout=120)

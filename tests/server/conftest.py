@@ -114,3 +114,32 @@ def wait_until(predicate, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.02)
     return predicate()
+
+
+def run_weather_agent(base_url: str, model: str) -> tuple[list[str], str]:
+    """openai-agents' Runner, with its default (Responses) model on `loom serve` at
+    `base_url`, running an agent that must call a weather function tool: the cities the tool
+    was called with, and the run's final output (the tool's JSON, as it stops there)."""
+    import json
+
+    import agents
+    import openai
+
+    agents.set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        calls.append(city)
+        return json.dumps({"city": city, "temperature_c": 21})
+
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    agent = agents.Agent(
+        name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
+        model=agents.OpenAIResponsesModel(model=model, openai_client=client),
+        model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
+                                            max_tokens=32),
+        tool_use_behavior="stop_on_first_tool")
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=2)
+    return calls, result.final_output

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from server.conftest import served_clients
+from server.conftest import run_weather_agent, served_clients
 
-agents = pytest.importorskip("agents")
+pytest.importorskip("agents")
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.slow
@@ -24,26 +24,9 @@ def server(gemma_engine):
 
 
 def test_an_agent_calls_a_function_tool(server) -> None:
-    agents.set_tracing_disabled(True)
-    calls: list[str] = []
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """The current weather in a city."""
-        calls.append(city)
-        return json.dumps({"city": city, "temperature_c": 21})
-
-    client = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused",
-                                max_retries=0)
-    agent = agents.Agent(
-        name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
-        model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client),
-        model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
-                                            max_tokens=32),
-        tool_use_behavior="stop_on_first_tool")
-    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=2)
+    calls, final_output = run_weather_agent(server.base_url, MODEL)
     assert calls and isinstance(calls[0], str)
-    assert json.loads(result.final_output)["temperature_c"] == 21
+    assert json.loads(final_output)["temperature_c"] == 21
 
 
 def test_langchain_on_the_responses_api(server) -> None:
