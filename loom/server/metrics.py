@@ -49,12 +49,11 @@ LABELS: tuple[str, ...] = ("model_name", "engine")
 REPLICA_LABELS: tuple[str, ...] = (*LABELS, "replica")
 
 
-def _histogram(family: HistogramMetricFamily, labels: list[str], histogram: Histogram,
-               scale: float = 1.0) -> None:
-    """Add one labelled histogram (its bounds divided by `scale`) to `family`."""
-    buckets = [("+Inf" if bound == float("inf") else floatToGoString(bound / scale), count)
+def _histogram(family: HistogramMetricFamily, labels: list[str], histogram: Histogram) -> None:
+    """Add one labelled histogram to `family`."""
+    buckets = [("+Inf" if bound == float("inf") else floatToGoString(bound), count)
                for bound, count in histogram.cumulative()]
-    family.add_metric(labels, buckets, histogram.sum / scale)
+    family.add_metric(labels, buckets, histogram.sum)
 
 
 # The observer's histograms: (attribute, vLLM's name, help).
