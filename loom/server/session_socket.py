@@ -39,7 +39,7 @@ from typing import Any
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
-from loom.errors import LoomError
+from loom.errors import AuthenticationError, LoomError
 from loom.server.errors import (
     APIError,
     as_api_error,
@@ -48,7 +48,6 @@ from loom.server.errors import (
     invalid_body,
     unpaired_surrogate,
 )
-from loom.server.limits import check_api_key
 from loom.server.protocol import (
     SessionAppendRequest,
     SessionGenerateRequest,
@@ -230,8 +229,9 @@ async def session_socket(websocket: WebSocket, session_id: str) -> None:
     authorization = websocket.headers.get("authorization")
     if authorization is None and "api_key" in websocket.query_params:
         authorization = f"Bearer {websocket.query_params['api_key']}"
-    owner = check_api_key(authorization, state.config.api_keys)
-    if owner is None:
+    try:
+        owner = state.authenticate(authorization)
+    except AuthenticationError:
         await websocket.close(code=POLICY_VIOLATION, reason="missing or invalid API key")
         return
     socket = _Socket(websocket, sessions, session_id, owner)
