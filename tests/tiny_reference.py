@@ -88,7 +88,21 @@ def tiny_hf_config(arch: str):
         return tf.Qwen2Config(**common)
     if arch == "qwen3":
         return tf.Qwen3Config(**common, head_dim=16)
+    if arch == "qwen3_moe":  # 8 experts, 2 a token, renormalised; layer 1 dense
+        return tf.Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=32, num_experts=8,
+                                 num_experts_per_tok=2, norm_topk_prob=True,
+                                 mlp_only_layers=[1])
+    if arch == "mixtral":  # 4 experts, 2 a token
+        return tf.MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=4,
+                                num_experts_per_tok=2, sliding_window=None)
     raise ValueError(arch)
+
+
+# Mixtures of experts: their routers are scaled by this in the tiny models. At the default
+# init (std 0.02) every expert's probability is nearly equal, and which experts a token
+# chooses would turn on rounding; scaled, the router's top-k is decided by margins of order
+# one, as in a trained model.
+ROUTER_GAIN = 50.0
 
 
 def build_tiny_model(arch: str, folder: Path, seed: int = 0, qk_gain: float = 1.0):
@@ -105,16 +119,17 @@ def build_tiny_model(arch: str, folder: Path, seed: int = 0, qk_gain: float = 1.
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(tiny_hf_config(arch), dtype=torch.float32)
     model.eval()
-    if qk_gain != 1.0:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith(("q_proj.weight", "k_proj.weight")):
-                    p.mul_(qk_gain)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(qk_gain)
+            elif name.endswith("mlp.gate.weight"):  # a mixture of experts' router
+                p.mul_(ROUTER_GAIN)
     model.save_pretrained(str(folder))
     return model
 
 
-TINY_ARCHS = ["gemma3", "llama", "qwen2", "qwen3"]
+TINY_ARCHS = ["gemma3", "llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"]
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -27,6 +27,12 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {"rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "hidden_act": "silu"},
     "Qwen2ForCausalLM": {"rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "hidden_act": "silu"},
     "Qwen3ForCausalLM": {"rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "hidden_act": "silu"},
+    # transformers' Qwen3MoeConfig and MixtralConfig defaults.
+    "Qwen3MoeForCausalLM": {"rms_norm_eps": 1e-6, "rope_theta": 10_000.0, "hidden_act": "silu",
+                            "norm_topk_prob": False, "decoder_sparse_step": 1,
+                            "num_experts_per_tok": 8},
+    "MixtralForCausalLM": {"rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0,
+                           "hidden_act": "silu", "num_experts_per_tok": 2},
 }
 _ARCH_DEFAULTS["Gemma3ForConditionalGeneration"] = _ARCH_DEFAULTS["Gemma3ForCausalLM"]
 

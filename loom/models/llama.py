@@ -24,7 +24,7 @@ def layer_windows(t: dict[str, Any], num_layers: int) -> list[int | None]:
 
 
 class LlamaDecoderLayer(nn.Module):
-    """x + attn(norm(x)), then x + mlp(norm(x))."""
+    """x + attn(norm(x)), then x + mlp(norm(x)) (mlp: a gated MLP or a mixture of experts)."""
 
     # Which norm plays which role, for the fused decode path (loom/models/fused_decode.py).
     norm_roles: ClassVar[dict[str, str]] = {
@@ -42,6 +42,7 @@ class LlamaDecoderLayer(nn.Module):
         qkv_bias: bool,
         o_bias: bool,
         qk_norm: bool,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         eps = float(t["rms_norm_eps"])
@@ -57,7 +58,10 @@ class LlamaDecoderLayer(nn.Module):
             layer_idx, config.hidden_size, spec, resolve_rope(t, layer_type),
             qkv_bias=qkv_bias, o_bias=o_bias, qk_norm_eps=eps if qk_norm else None,
         )
-        self.mlp = GatedMLP(config.hidden_size, int(t["intermediate_size"]), t["hidden_act"])
+        # The feed-forward block: the dense gated MLP, or what the architecture gives
+        # (a mixture of experts, `loom.models.moe`).
+        self.mlp = mlp if mlp is not None else GatedMLP(
+            config.hidden_size, int(t["intermediate_size"]), t["hidden_act"])
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
@@ -82,7 +86,8 @@ class LlamaForCausalLM(CausalLM):
         windows = layer_windows(t, config.num_layers)
         layers = [
             LlamaDecoderLayer(
-                i, t, config, windows[i], qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=self.qk_norm
+                i, t, config, windows[i], qkv_bias=qkv_bias, o_bias=o_bias,
+                qk_norm=self.qk_norm, mlp=self.feed_forward(i, t, config),
             )
             for i in range(config.num_layers)
         ]
@@ -92,6 +97,13 @@ class LlamaForCausalLM(CausalLM):
             RMSNorm(config.hidden_size, float(t["rms_norm_eps"])),
         )
         super().__init__(config, body, tie_embeddings=bool(t.get("tie_word_embeddings", False)))
+
+    @classmethod
+    def feed_forward(cls, layer_idx: int, t: dict[str, Any],
+                     config: ModelConfig) -> nn.Module | None:
+        """Layer `layer_idx`'s feed-forward block where it is not the dense gated MLP (None:
+        the dense one). Mixture-of-experts architectures override it."""
+        return None
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -161,6 +161,8 @@ class W4A8Method(W8A8Method):
                 return False
             owner_name = name.rpartition(".")[0]
             owner = model.get_submodule(owner_name)
+            if not getattr(owner, "keeps_file_blocks", True):  # a MoE router: float values
+                return False
             if not computable(type_id, int(owner.weight.shape[1])):
                 return False
             raw = blocks()

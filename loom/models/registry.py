@@ -6,14 +6,18 @@ from loom.errors import UnsupportedModelError
 from loom.models.base import CausalLM
 from loom.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from loom.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
+from loom.models.mixtral import MixtralForCausalLM
 from loom.models.qwen3 import Qwen3ForCausalLM
+from loom.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
