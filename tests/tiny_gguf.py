@@ -112,3 +112,83 @@ EVERY_TYPE = {
 def every_type(role: str, layer: int) -> int:
     """`write_tiny_llama`'s types for a file of every type w4a8 computes."""
     return EVERY_TYPE[layer][role]
+
+
+# The tiny mixture of experts: 4 experts of width MOE_FFN, 2 a token, in every layer.
+EXPERTS, EXPERTS_USED, MOE_FFN = 4, 2, 256
+# Its router's values: large enough that a token's top-2 is decided by margins of order one
+# (with weights of a few hundredths every expert would be nearly as likely).
+ROUTER_STD = 0.5
+
+
+def write_tiny_moe(path: Path, arch: str, types: dict[str, int], seed: int = 0,
+                   experts: int = EXPERTS, split_experts: bool = False,
+                   expert_count: int | None = None) -> Path:
+    """A 2-layer mixture-of-experts GGUF at `path`: `arch` "qwen3moe" (Qwen3-MoE, QK-norm)
+    or "llama" (Mixtral, as llama.cpp writes it). `types` gives the GGUF type of each role:
+    "attention" (q, k, v, o), "gate", "up", "down" (the experts' 3-D tensors), "embedding"
+    (tied). The router is F32, as llama.cpp keeps it. `split_experts`: one 2-D tensor per
+    expert (older converters); `expert_count`: the count written in the header (default:
+    `experts`, the tensors' count)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), arch=arch)
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(MOE_FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_expert_count(expert_count if expert_count is not None else experts)
+    writer.add_expert_used_count(EXPERTS_USED)
+    if arch == "qwen3moe":
+        writer.add_expert_feed_forward_length(MOE_FFN)
+        writer.add_key_length(HIDDEN // HEADS)
+        writer.add_value_length(HIDDEN // HEADS)
+
+    def blocks(rows: int, cols: int, type_id: int) -> np.ndarray:
+        return random_blocks(rng, rows, cols, type_id)
+
+    kv = KV_HEADS * HIDDEN // HEADS
+    writer.add_tensor("token_embd.weight", blocks(VOCAB, HIDDEN, types["embedding"]),
+                      raw_dtype=gguf.GGMLQuantizationType(types["embedding"]))
+    head_dim = HIDDEN // HEADS
+    for i in range(LAYERS):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+        for name, rows in (("attn_q", HIDDEN), ("attn_k", kv), ("attn_v", kv),
+                           ("attn_output", HIDDEN)):
+            writer.add_tensor(f"blk.{i}.{name}.weight",
+                              blocks(rows, HIDDEN, types["attention"]),
+                              raw_dtype=gguf.GGMLQuantizationType(types["attention"]))
+        if arch == "qwen3moe":
+            for name in ("attn_q_norm", "attn_k_norm"):
+                writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(head_dim, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+        router = rng.standard_normal((experts, HIDDEN), dtype=np.float32) * ROUTER_STD
+        writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", router)
+        for role, kind, rows, cols in (("gate", "ffn_gate", MOE_FFN, HIDDEN),
+                                       ("up", "ffn_up", MOE_FFN, HIDDEN),
+                                       ("down", "ffn_down", HIDDEN, MOE_FFN)):
+            type_id = types[role]
+            per_expert = [blocks(rows, cols, type_id) for _ in range(experts)]
+            if split_experts:
+                for e, part in enumerate(per_expert):
+                    writer.add_tensor(f"blk.{i}.{kind}.{e}.weight", part,
+                                      raw_dtype=gguf.GGMLQuantizationType(type_id))
+            else:
+                writer.add_tensor(f"blk.{i}.{kind}_exps.weight", np.stack(per_expert),
+                                  raw_dtype=gguf.GGMLQuantizationType(type_id))
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+# Q4_K_M's mix for experts (Q4_K gate/up, Q6_K down), and the blocks of 32.
+MOE_KQUANTS = {"attention": Q4_K, "gate": Q4_K, "up": Q4_K, "down": Q6_K, "embedding": Q6_K}
+MOE_BLOCKS32 = {"attention": Q8_0, "gate": Q4_0, "up": Q5_1, "down": Q8_0, "embedding": Q8_0}

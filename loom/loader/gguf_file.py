@@ -11,21 +11,24 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from loom.errors import UnsupportedModelError
+from loom.errors import InvalidModelError, UnsupportedModelError
 from loom.kernels import GGUF_C_BLOCK_TYPES, dequantize_gguf_blocks
 from loom.loader.gguf_maps import (
     GGUF_ARCHITECTURES,
     GGUF_CONFIG_DEFAULTS,
     GGUF_CONFIG_KEYS,
+    GGUF_EXPERT_ARCHITECTURES,
+    GGUF_EXPERT_TENSORS,
     GGUF_GLOBAL_TENSORS,
     GGUF_LAYER_TENSORS,
     GGUF_LAYER_TENSORS_OVERRIDES,
     GGUF_NORM_PLUS_ONE,
     GGUF_PERMUTED_QK,
     GGUF_SKIPPED_TENSORS,
+    GGUF_SPLIT_EXPERT_TENSORS,
     GGUF_TOKEN_ID_KEYS,
 )
-from loom.loader.gguf_reader import GGUFFile
+from loom.loader.gguf_reader import GGUFFile, GGUFTensorInfo
 from loom.loader.source import BlocksHook, WeightIterator
 from loom.models.weight_shard import WeightSelector
 
@@ -44,6 +47,8 @@ def gguf_to_hf_config(reader: GGUFFile) -> dict[str, Any]:
     """Build an HF config.json-style dict from GGUF metadata."""
     arch = gguf_architecture(reader)
     hf_arch, model_type = GGUF_ARCHITECTURES[arch]
+    if arch in GGUF_EXPERT_ARCHITECTURES and int(reader.get(f"{arch}.expert_count") or 0):
+        hf_arch, model_type = GGUF_EXPERT_ARCHITECTURES[arch]
     config: dict[str, Any] = {"architectures": [hf_arch], "model_type": model_type}
     config.update(GGUF_CONFIG_DEFAULTS.get(arch, {}))
     for suffix, hf_key in GGUF_CONFIG_KEYS.items():
@@ -62,6 +67,8 @@ def gguf_to_hf_config(reader: GGUFFile) -> dict[str, Any]:
     config.setdefault(
         "head_dim", config["hidden_size"] // config["num_attention_heads"]
     )
+    if "norm_topk_prob" in config:
+        config["norm_topk_prob"] = bool(config["norm_topk_prob"])
     scaling_type = reader.get(f"{arch}.rope.scaling.type")
     if scaling_type and scaling_type != "none":
         factor = float(reader.get(f"{arch}.rope.scaling.factor") or 1.0)
@@ -93,15 +100,23 @@ def _token(reader: GGUFFile, index: int) -> str | None:
 
 
 def gguf_to_hf_name(arch: str, name: str) -> str | None:
-    """HF name of a GGUF tensor (None for tensors with no HF counterpart)."""
+    """HF name of a GGUF tensor (None for tensors with no HF counterpart). A 3-D expert
+    tensor's name holds an `{expert}` field: it is one tensor per expert (`_pieces`)."""
     if name in GGUF_SKIPPED_TENSORS:
         return None
     if name in GGUF_GLOBAL_TENSORS:
         return GGUF_GLOBAL_TENSORS[name]
     parts = name.split(".")
+    if len(parts) == 5 and parts[0] == "blk" and parts[2] in GGUF_SPLIT_EXPERT_TENSORS \
+            and parts[3].isdigit():  # one expert of a file from an older converter
+        _, layer, kind, expert, ending = parts
+        return (f"model.layers.{layer}.mlp.experts.{expert}."
+                f"{GGUF_SPLIT_EXPERT_TENSORS[kind]}.{ending}")
     if len(parts) != 4 or parts[0] != "blk":
         raise UnsupportedModelError(f"unexpected GGUF tensor {name!r}")
     _, layer, kind, ending = parts
+    if kind in GGUF_EXPERT_TENSORS:
+        return f"model.layers.{layer}.mlp.experts.{{expert}}.{GGUF_EXPERT_TENSORS[kind]}.{ending}"
     table = {**GGUF_LAYER_TENSORS, **GGUF_LAYER_TENSORS_OVERRIDES.get(arch, {})}
     if kind not in table:
         raise UnsupportedModelError(f"GGUF tensor {name!r} has no HF mapping for {arch}")
@@ -134,49 +149,81 @@ def iter_gguf_weights(
     the hook does not keep is never copied (a tensor-parallel rank's hook cuts its part).
     Where it returns True (the caller computes from the blocks and never reads the values)
     the tensor, or the part `select` names, is yielded as uninitialised storage of its
-    shape: no dequantising, and no memory until something writes it."""
+    shape: no dequantising, and no memory until something writes it.
+
+    A 3-D expert tensor [experts, rows, columns] is yielded as one 2-D tensor per expert
+    (`experts.<e>.` in its name), each offered to `keep_blocks` and cut by `select` alone;
+    InvalidModelError names a tensor whose expert count is not the file's."""
     arch = gguf_architecture(reader)
+    experts = int(config.get("num_experts") or 0)
     for tensor in reader.tensors:
         hf_name = gguf_to_hf_name(arch, tensor.name)
         if hf_name is None:
             continue
         raw = reader.tensor_data(tensor)
-        rule = select(hf_name) if select is not None else None
-        permuted = arch in GGUF_PERMUTED_QK and hf_name.endswith(
-            ("q_proj.weight", "k_proj.weight"))
-        if keep_blocks is not None and len(tensor.shape) == 2 and raw.dtype == np.uint8 \
-                and tensor.qtype.name not in _FLOAT_TYPES:
-
-            def blocks(raw: np.ndarray = raw, rows: int = int(tensor.shape[0]),
-                       heads: str | None = _qk_heads_key(hf_name) if permuted else None,
-                       ) -> torch.Tensor:
-                copy = torch.from_numpy(np.array(raw, copy=True).reshape(rows, -1))
-                if heads is None:
-                    return copy
-                return _unpermute_qk(copy, int(config[heads])).contiguous()
-
-            if keep_blocks(hf_name, int(tensor.qtype), blocks):
-                del raw
-                reader.release(tensor)
-                shape = list(tensor.shape)
-                if rule is not None and not rule.first_rank_only:  # a rank's part of it
-                    shape[rule.dim] = rule.stop - rule.start
-                yield hf_name, torch.empty(tuple(shape), dtype=dtype or torch.float32)
-                continue
-        if rule is not None and rule.dim == 0 and not rule.first_rank_only and not permuted:
-            start, stop = rule.span(tensor.shape[0])
-            shape = (stop - start, *tensor.shape[1:])
-            part = _dequantize_by_rows(raw[start:stop], tensor.qtype, shape)
-            yield hf_name, _cast(rule.pad(part), dtype)
-            continue
-        w = _dequantize_by_rows(raw, tensor.qtype, tuple(tensor.shape))
+        for piece_name, piece, shape in _pieces(tensor, hf_name, raw, experts):
+            yield from _piece_weights(reader, tensor, arch, config, piece_name, piece, shape,
+                                      dtype, select, keep_blocks)
         del raw
-        reader.release(tensor)  # its values are copied out
-        if arch in GGUF_NORM_PLUS_ONE and tensor.name.endswith("norm.weight"):
-            w = w - 1.0
-        if permuted:
-            w = _unpermute_qk(w, int(config[_qk_heads_key(hf_name)]))
-        yield hf_name, _cast(w if rule is None else rule.apply(w), dtype)
+        reader.release(tensor)  # its values are copied out (or its blocks, or nothing)
+
+
+def _pieces(tensor: GGUFTensorInfo, hf_name: str, raw: np.ndarray, experts: int,
+            ) -> list[tuple[str, np.ndarray, tuple[int, ...]]]:
+    """(hf_name, data, shape) of each tensor the model loads from `tensor`: itself, or one
+    per expert of a 3-D expert tensor (each expert's rows are contiguous in the file, so an
+    expert's data is a view of its slab)."""
+    shape = tuple(tensor.shape)
+    if hf_name.endswith(".mlp.gate.weight") and (len(shape) != 2 or shape[0] != experts):
+        raise InvalidModelError(
+            f"GGUF tensor {tensor.name!r} has shape {shape}: the router of the file's"
+            f" expert_count of {experts} experts must be [{experts}, hidden]")
+    if "{expert}" not in hf_name:
+        return [(hf_name, raw, shape)]
+    if len(shape) != 3 or shape[0] != experts:
+        raise InvalidModelError(
+            f"GGUF tensor {tensor.name!r} has shape {shape}: an expert tensor of the file's"
+            f" expert_count of {experts} experts must be [{experts}, rows, columns]")
+    return [(hf_name.format(expert=e), raw[e], tuple(tensor.shape[1:]))
+            for e in range(experts)]
+
+
+def _piece_weights(
+    reader: GGUFFile, tensor: GGUFTensorInfo, arch: str, config: dict[str, Any],
+    hf_name: str, raw: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype | None,
+    select: WeightSelector | None, keep_blocks: BlocksHook | None,
+) -> WeightIterator:
+    """The (hf_name, tensor) `iter_gguf_weights` yields for one piece of a file tensor."""
+    rule = select(hf_name) if select is not None else None
+    permuted = arch in GGUF_PERMUTED_QK and hf_name.endswith(("q_proj.weight", "k_proj.weight"))
+    if keep_blocks is not None and len(shape) == 2 and raw.dtype == np.uint8 \
+            and tensor.qtype.name not in _FLOAT_TYPES:
+
+        def blocks(raw: np.ndarray = raw, rows: int = int(shape[0]),
+                   heads: str | None = _qk_heads_key(hf_name) if permuted else None,
+                   ) -> torch.Tensor:
+            copy = torch.from_numpy(np.array(raw, copy=True).reshape(rows, -1))
+            if heads is None:
+                return copy
+            return _unpermute_qk(copy, int(config[heads])).contiguous()
+
+        if keep_blocks(hf_name, int(tensor.qtype), blocks):
+            kept_shape = list(shape)
+            if rule is not None and not rule.first_rank_only:  # a rank's part of it
+                kept_shape[rule.dim] = rule.stop - rule.start
+            yield hf_name, torch.empty(tuple(kept_shape), dtype=dtype or torch.float32)
+            return
+    if rule is not None and rule.dim == 0 and not rule.first_rank_only and not permuted:
+        start, stop = rule.span(shape[0])
+        part = _dequantize_by_rows(raw[start:stop], tensor.qtype, (stop - start, *shape[1:]))
+        yield hf_name, _cast(rule.pad(part), dtype)
+        return
+    w = _dequantize_by_rows(raw, tensor.qtype, shape)
+    if arch in GGUF_NORM_PLUS_ONE and tensor.name.endswith("norm.weight"):
+        w = w - 1.0
+    if permuted:
+        w = _unpermute_qk(w, int(config[_qk_heads_key(hf_name)]))
+    yield hf_name, _cast(w if rule is None else rule.apply(w), dtype)
 
 
 # Elements `_dequantize_by_rows` converts at a time: gguf's dequantisers make several

@@ -10,6 +10,13 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+}
+
+# Architectures whose files with expert tensors (`{arch}.expert_count` > 0) are another HF
+# architecture: llama.cpp writes Mixtral as "llama".
+GGUF_EXPERT_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("MixtralForCausalLM", "mixtral"),
 }
 
 # `{arch}.<key>` metadata -> HF config key (shared by all architectures above).
@@ -25,6 +32,10 @@ GGUF_CONFIG_KEYS: dict[str, str] = {
     "attention.sliding_window": "sliding_window",
     "rope.freq_base": "rope_theta",
     "vocab_size": "vocab_size",
+    "expert_count": "num_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_weights_norm": "norm_topk_prob",
 }
 
 # Tokenizer metadata -> HF config key.
@@ -46,6 +57,8 @@ GGUF_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"hidden_act": "silu"},
     "qwen2": {"hidden_act": "silu"},
     "qwen3": {"hidden_act": "silu"},
+    # llama.cpp renormalises the chosen experts' weights of every qwen3moe file.
+    "qwen3moe": {"hidden_act": "silu", "norm_topk_prob": True},
 }
 
 # Non-layer tensors: GGUF name -> HF name.
@@ -68,6 +81,21 @@ GGUF_LAYER_TENSORS: dict[str, str] = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
+}
+
+# Expert tensors: `blk.{i}.<kind>.weight` is 3-D [experts, rows, columns] and becomes one
+# tensor per expert, `model.layers.{i}.mlp.experts.{e}.<projection>.weight`. Files from
+# older converters store each expert as its own 2-D tensor `blk.{i}.<dense kind>.{e}.weight`.
+GGUF_EXPERT_TENSORS: dict[str, str] = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
+}
+GGUF_SPLIT_EXPERT_TENSORS: dict[str, str] = {
+    "ffn_gate": "gate_proj",
+    "ffn_up": "up_proj",
+    "ffn_down": "down_proj",
 }
 
 # Architecture-specific overrides of GGUF_LAYER_TENSORS (Gemma's sandwich norms).

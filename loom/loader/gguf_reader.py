@@ -99,9 +99,10 @@ class GGUFFile:
             raise self._header_overrun() from None
         expected = max((t.offset + t.nbytes for t in self.tensors), default=0)
         if self.size < expected:
+            cut = next(t for t in self.tensors if t.offset + t.nbytes > self.size)
             raise InvalidModelError(
-                f"{self.path}: truncated: {self.size:,} of {expected:,} bytes"
-                " (an interrupted download?)"
+                f"{self.path}: truncated: {self.size:,} of {expected:,} bytes; tensor"
+                f" {cut.name!r} runs past the end of the file (an interrupted download?)"
             )
 
     def _header_overrun(self) -> InvalidModelError:
