@@ -6,6 +6,8 @@ Rank r of N keeps:
     o_proj                   the columns of its heads (row-parallel: partial sums, all-reduced)
     gate_proj, up_proj       rows [r*I/N, (r+1)*I/N) of the intermediate size (column-parallel)
     down_proj                the same columns (row-parallel, all-reduced)
+    experts                  each expert as a gated MLP above (its rows of every expert); the
+                             router whole; one all-reduce of the block's weighted sum
     lm_head                  rows [r*Vp/N, (r+1)*Vp/N) of the vocabulary padded to Vp, a
                              multiple of N (the logits are gathered; padding rows are zero)
     everything else          whole: embedding, norms, rotary tables
@@ -36,6 +38,7 @@ from loom.errors import UnsupportedModelError
 from loom.models.base import CausalLM
 from loom.models.config import ModelConfig
 from loom.models.layers import GatedMLP, Linear, SelfAttention
+from loom.models.moe import SparseMoE
 from loom.models.weight_shard import Shard, ShardRule
 
 if TYPE_CHECKING:
@@ -56,6 +59,9 @@ def check_shardable(config: ModelConfig, world_size: int) -> None:
         problems.append(f"{kv} KV heads (neither a multiple nor a divisor of it)")
     if intermediate % world_size:
         problems.append(f"an intermediate size of {intermediate}")
+    expert_width = int(config.text.get("moe_intermediate_size") or 0)
+    if expert_width % world_size:
+        problems.append(f"an expert width of {expert_width}")
     if problems:
         raise UnsupportedModelError(
             f"{config.architecture} cannot be split over tensor_parallel_size={world_size}: "
@@ -167,11 +173,17 @@ class VocabParallelHead(nn.Module):
 
 def attach_collectives(model: CausalLM, group: TensorParallelGroup) -> CausalLM:
     """Wrap the row-parallel projections and the output projection of a sharded, prepared
-    model in `group`'s collectives (runtime structure, never saved)."""
-    for module in model.modules():
+    model in `group`'s collectives (runtime structure, never saved). A mixture of experts is
+    reduced once, after its slot-weighted sum (a linear function of its experts' partial
+    outputs), not once per expert it calls."""
+    experts = {id(e) for m in model.modules() if isinstance(m, SparseMoE) for e in m.experts}
+    for module in list(model.modules()):
         if isinstance(module, SelfAttention):
             module.o_proj = RowParallelOutput(module.o_proj, group)
-        elif isinstance(module, GatedMLP):
+        elif isinstance(module, GatedMLP) and id(module) not in experts:
             module.down_proj = RowParallelOutput(module.down_proj, group)
+    for layer in model.model.layers:
+        if isinstance(getattr(layer, "mlp", None), SparseMoE):
+            layer.mlp = RowParallelOutput(layer.mlp, group)
     model.lm_head = VocabParallelHead(model.lm_head, group, model.config.vocab_size)
     return model
