@@ -22,6 +22,8 @@ class Usage(_Body):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int | None = None
+    # chat, with a reasoning parser: {"reasoning_tokens": n}
+    completion_tokens_details: dict[str, int] | None = None
 
 
 class CompletionLogprobs(_Body):
@@ -59,6 +61,7 @@ class ChatMessageOut(_Body):
     role: str
     content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None  # with a reasoning parser (vLLM's field)
 
 
 class ChatChoice(_Body):

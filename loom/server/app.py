@@ -22,6 +22,7 @@ from loom.server.api_docs import document_responses
 from loom.server.engine_scope import EngineScope
 from loom.server.errors import install_error_handlers
 from loom.server.limits import BodySizeLimit, JSONBodies
+from loom.server.reasoning import select_parser
 from loom.server.response_service import ResponseService
 from loom.server.session_service import SessionService
 from loom.server.state import ServerConfig, ServerState
@@ -38,10 +39,13 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
     engine.inputs.chat_template = ChatTemplate.from_model(
         engine_config.model_path, engine_config.tokenizer_path, config.chat_template
     )
+    template = engine.inputs.chat_template
     state = ServerState(
         engine=engine,
         config=config,
         metrics=MetricsExporter(engine_config, config.served_model_name),
+        reasoning=select_parser(config.reasoning_parser,
+                                template.template if template is not None else None),
     )
     app = FastAPI(
         title="Loom", version=loom.__version__,

@@ -12,6 +12,7 @@ from typing import Any
 
 from loom.engine.config import EngineArgs
 from loom.loader.resolve import SMOLLM2_135M_INSTRUCT_ALIAS
+from loom.server.reasoning import PARSER_CHOICES
 
 if typing.TYPE_CHECKING:
     from loom.engine.client import EngineClient
@@ -114,6 +115,10 @@ def add_serve_parser(sub: Any) -> None:
                              "conversation stays continuable, recomputed); 0: never")
     server.add_argument("--max-stored-responses", type=int, default=10_000,
                         help="responses kept for previous_response_id (oldest go first)")
+    server.add_argument("--reasoning-parser", default="auto", choices=PARSER_CHOICES,
+                        help="split a think-tag model's reasoning (<think>...</think>) into "
+                             "reasoning_content; auto: qwen3 when the chat template mentions "
+                             "<think> or enable_thinking")
     server.add_argument("--log-level", default="info")
     replicas = serve.add_argument_group("replicas (Ray Serve)")
     replicas.add_argument("--replicas", type=int, default=1,
@@ -152,6 +157,7 @@ def server_config_from(namespace: argparse.Namespace, env_api_keys: str = "") ->
         allowed_origins=tuple(namespace.allowed_origins),
         response_ttl_s=namespace.response_ttl_s or None,
         max_stored_responses=namespace.max_stored_responses,
+        reasoning_parser=namespace.reasoning_parser,
     )
 
 

@@ -77,14 +77,16 @@ class ToolCall(StrictModel):
 
 
 class ChatMessage(StrictModel):
-    """One message of a conversation: an assistant's may carry `tool_calls` (content null),
-    a `tool` message answers the call named by its `tool_call_id`."""
+    """One message of a conversation: an assistant's may carry `tool_calls` (content null)
+    and `reasoning_content` (as a response gave it; a thinking model's template renders or
+    drops it), a `tool` message answers the call named by its `tool_call_id`."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         """The dict a chat template sees; calls' arguments as objects when they are JSON
@@ -97,6 +99,8 @@ class ChatMessage(StrictModel):
             message["name"] = self.name
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
             message["tool_calls"] = [{
                 "id": call.id, "type": "function",

@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from loom.engine.outputs import OutputAccumulator, RequestOutput
 from loom.errors import LoomError
-from loom.server import tool_calls
+from loom.server import chat_output, tool_calls
 from loom.server.constraints import constrain, requested_constraint
 from loom.server.errors import APIError, as_api_error, error_body
 from loom.server.http_requests import authenticated, get_state, unless_disconnected
@@ -270,12 +270,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     stream = state.stream(ids, params, cid)
     decode = state.decode_token
     names = tools.names if tools.parses else None  # None: the text is all content
+    constrained = params.structured_outputs is not None
 
     if not body.stream:
         out = await unless_disconnected(request, _gathered(stream))
-        choices = []
+        choices, thoughts = [], []
         for comp in out.outputs:
-            message = tool_calls.message(comp.text, names)
+            message = chat_output.message(comp.text, state.reasoning_stream(ids, constrained),
+                                          names)
+            thoughts.append(message.get("reasoning_content") or "")
             choices.append({
                 "index": comp.index, "message": message,
                 "logprobs": chat_logprobs(comp, decode, top_n) if body.logprobs else None,
@@ -283,24 +286,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                     comp.finish_reason, len(message.get("tool_calls", ()))),
                 "stop_reason": comp.stop_reason})
         return {"id": cid, "object": "chat.completion", "created": now(), "model": body.model,
-                "choices": choices, "usage": usage(out),
+                "choices": choices,
+                "usage": chat_output.usage(usage(out), state.reasoning_tokens(thoughts)),
                 **({"prompt_logprobs": vllm_prompt_logprobs(out.prompt_logprobs, decode,
                                                             body.prompt_logprobs)}
                    if body.prompt_logprobs is not None else {}),
                 **({"children": request_tree(out)} if out.children else {})}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    # With tools, each choice's text goes through a parser that holds back what may be a
-    # call and gives each call whole (tool_calls.py).
-    parsers = [tool_calls.ToolCallParser(names) for _ in range(body.n)] if names else None
-
-    def deltas(comp: Any, finished: bool) -> list[dict[str, Any]]:
-        if parsers is None:
-            return [{"content": comp.text}] if comp.text else []
-        parser = parsers[comp.index]
-        before = len(parser.calls)
-        pieces = parser.feed(comp.text) + (parser.finish() if finished else [])
-        return tool_calls.stream_deltas(pieces, before)
+    # Each choice's text: reasoning split off, then (with tools) a parser that holds back
+    # what may be a call and gives each call whole (chat_output.py).
+    writers = [chat_output.ChoiceDeltas(state.reasoning_stream(ids, constrained), names)
+               for _ in range(body.n)]
 
     async def events() -> AsyncIterator[str]:
         created, gathered, last = now(), OutputAccumulator(), None
@@ -310,7 +307,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                         "model": body.model, "choices": choices, **extra})
 
         # With tools the content stays null (as a whole response's) unless text comes.
-        opening = {"role": "assistant", "content": "" if parsers is None else None}
+        opening = {"role": "assistant", "content": "" if names is None else None}
         yield chunk([{"index": i, "delta": opening, "logprobs": None, "finish_reason": None}
                      for i in range(body.n)])
         async for out in stream:
@@ -318,12 +315,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
             gathered.add(out)
             for comp in out.outputs:  # deltas: the engine held back what a stop may cut
                 finished = comp.finish_reason is not None
-                parts = deltas(comp, finished)
+                writer = writers[comp.index]
+                parts = writer.deltas(comp.text, finished)
                 if not parts and (finished or (body.logprobs and comp.token_ids)):
                     parts = [{}]  # the finish reason, or logprobs of held-back text
                 reason = comp.finish_reason
-                if finished and parsers is not None:
-                    reason = tool_calls.finish_reason(reason, len(parsers[comp.index].calls))
+                if finished and names is not None:
+                    reason = tool_calls.finish_reason(reason, writer.calls)
                 for k, delta in enumerate(parts):
                     yield chunk([{"index": comp.index, "delta": delta,
                                   "logprobs": chat_logprobs(comp, decode, top_n)
@@ -333,7 +331,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         if last is not None and last.children:  # `<promise>` children, after the text
             yield chunk([], children=request_tree(last))
         if include_usage and last is not None:
-            yield chunk([], usage=usage(gathered.result()))
+            thoughts = [w.reasoning_text for w in writers]
+            yield chunk([], usage=chat_output.usage(usage(gathered.result()),
+                                                    state.reasoning_tokens(thoughts)))
 
     return _sse_response(events())
 

@@ -48,10 +48,30 @@ def _required_str(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
+def _reasoning_item(item: dict[str, Any], where: str) -> tuple[str | None, dict[str, Any]]:
+    """A reasoning item's text (its `reasoning_text` parts, else its summary's) and the
+    input item kept of it (an `encrypted_content` is dropped: nothing here made it)."""
+    parts: dict[str, Any] = {}
+    for key, part_type in (("summary", "summary_text"), ("content", "reasoning_text")):
+        value = item.get(key)
+        if value is None and key == "content":
+            continue
+        if not isinstance(value, list) or not all(
+                isinstance(p, dict) and p.get("type") == part_type
+                and isinstance(p.get("text"), str) for p in value):
+            raise _bad(f"{where}.{key} must be a list of {part_type} parts", f"{where}.{key}")
+        parts[key] = [{"type": part_type, "text": p["text"]} for p in value]
+    texts = parts.get("content") or parts["summary"]
+    entry = {"id": item.get("id") or new_id("rs"), "type": "reasoning", **parts,
+             "status": "completed"}
+    return "".join(p["text"] for p in texts) or None, entry
+
+
 def input_messages(items: str | list[dict[str, Any]]) -> tuple[list[ChatMessage],
                                                                 list[dict[str, Any]]]:
     """`input` as chat messages (function calls joined to the assistant message before
-    them, outputs as `tool` messages) and as the stored input items (with ids). A malformed
+    them, outputs as `tool` messages, a reasoning item's text as the `reasoning_content` of
+    the assistant message after it) and as the stored input items (with ids). A malformed
     item is a 400 naming its field (`input[2].call_id`)."""
     if isinstance(items, str):
         items = [{"type": "message", "role": "user", "content": items}]
@@ -59,6 +79,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> tuple[list[ChatMessage]
         raise _bad("input must not be empty", "input")
     messages: list[ChatMessage] = []
     stored: list[dict[str, Any]] = []
+    thought: str | None = None  # a reasoning item's text, for the next assistant message
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -72,6 +93,9 @@ def input_messages(items: str | list[dict[str, Any]]) -> tuple[list[ChatMessage]
             text = _text_of(item.get("content"), f"{where}.content")
             messages.append(ChatMessage(role="system" if role == "developer" else role,
                                         content=text))
+            if role == "assistant":
+                messages[-1].reasoning_content = thought
+            thought = None
             part = "output_text" if role == "assistant" else "input_text"
             stored.append({"id": item.get("id") or new_id("msg"), "type": "message",
                            "role": role, "status": "completed",
@@ -83,8 +107,11 @@ def input_messages(items: str | list[dict[str, Any]]) -> tuple[list[ChatMessage]
             last = messages[-1] if messages else None
             if last is not None and last.role == "assistant":
                 last.tool_calls = [*(last.tool_calls or []), call]
+                last.reasoning_content = last.reasoning_content or thought
             else:
-                messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+                messages.append(ChatMessage(role="assistant", content=None, tool_calls=[call],
+                                            reasoning_content=thought))
+            thought = None
             stored.append({"id": item.get("id") or new_id("fc"), "type": "function_call",
                            "call_id": call.id, "name": call.function.name,
                            "arguments": call.function.arguments, "status": "completed"})
@@ -93,12 +120,16 @@ def input_messages(items: str | list[dict[str, Any]]) -> tuple[list[ChatMessage]
             output = item.get("output")
             text = output if isinstance(output, str) else _text_of(output, f"{where}.output")
             messages.append(ChatMessage(role="tool", tool_call_id=call_id, content=text))
+            thought = None
             stored.append({"id": item.get("id") or new_id("fco"),
                            "type": "function_call_output", "call_id": call_id,
                            "output": text, "status": "completed"})
+        elif kind == "reasoning":
+            thought, entry = _reasoning_item(item, where)
+            stored.append(entry)
         else:
             raise _bad(f"{where}.type {kind!r} is not supported (message, function_call, "
-                       "function_call_output)", f"{where}.type")
+                       "function_call_output, reasoning)", f"{where}.type")
     return messages, stored
 
 

@@ -87,7 +87,8 @@ class ResponseService:
         params = await constrain(state, body.sampling_params(limit), constraint, "text.format",
                                  tools)
         params = params.with_updates(output_kind=RequestOutputKind.DELTA)
-        turn = ResponseTurn(self, body, new_id("resp"), owner, ids, history, items, tools)
+        turn = ResponseTurn(self, body, new_id("resp"), owner, ids, history, items, tools,
+                            state.reasoning_stream(ids, params.structured_outputs is not None))
         await self._open_session(turn, previous, params)
         if body.store:
             await self._evict(self.store.put(StoredResponse(

@@ -1,7 +1,12 @@
 """One Responses turn under way: its session generates and `ResponseTurn.events()` yields
 the Responses API's events (plain dicts: the output items and their text and call deltas,
 the last one carrying the whole response). The turn knows no transport, and tells its host
-(the response service) how it ended: finished (stored or closed) or abandoned."""
+(the response service) how it ended: finished (stored or closed) or abandoned.
+
+With a reasoning parser (`reasoning.py`), a thinking model's reasoning is a `reasoning` item
+(its text a `reasoning_text` content part) before the message and calls, which are read from
+the answer only. The conversation the next turn renders keeps the output as generated (the
+think block included: the session's tokens), so a continuation shares as much as before."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from loom.errors import RequestFailedError
 from loom.server import tool_calls
 from loom.server.errors import APIError, as_api_error
 from loom.server.protocol import CalledFunction, ChatMessage, ResponsesRequest, ToolCall
+from loom.server.reasoning import ReasoningStream
 from loom.server.response_input import new_id
 from loom.server.state import ServerState
 from loom.server.tool_calls import ParsedCall
@@ -49,6 +55,7 @@ class ResponseTurn:
     messages: list[ChatMessage]
     input_items: list[dict[str, Any]]
     tools: ToolPlan
+    reasoning: ReasoningStream | None = None  # None: the output is all answer
     created_at: int = field(default_factory=lambda: int(time.time()))
     output: list[dict[str, Any]] = field(default_factory=list)
     _sequence: int = 0
@@ -116,35 +123,65 @@ class ResponseTurn:
             names = self.tools.names if self.tools.parses else None
             parser = tool_calls.ToolCallParser(names) if names else None
             message: dict[str, Any] | None = None  # the message item being written
+            thought: dict[str, Any] | None = None  # the reasoning item being written
             generated, reason = 0, None
+
+            def part_events(item: dict[str, Any], kind: str, opening: bool
+                            ) -> list[dict[str, Any]]:
+                """A one-part item's opening (`opening`) or closing events; `kind`: the
+                part's text events' name (output_text, reasoning_text)."""
+                index, part = self.output.index(item), item["content"][0]
+                if opening:
+                    return [self._event("response.output_item.added", output_index=index,
+                                        item={**item, "content": []}),
+                            self._event("response.content_part.added", item_id=item["id"],
+                                        output_index=index, content_index=0,
+                                        part=dict(part))]
+                item["status"] = "completed"
+                extra = {"logprobs": []} if kind == "output_text" else {}
+                return [self._event(f"response.{kind}.done", item_id=item["id"],
+                                    output_index=index, content_index=0, text=part["text"],
+                                    **extra),
+                        self._event("response.content_part.done", item_id=item["id"],
+                                    output_index=index, content_index=0, part=dict(part)),
+                        self._event("response.output_item.done", output_index=index,
+                                    item=dict(item))]
+
+            def reasoning_events(text: str) -> list[dict[str, Any]]:
+                nonlocal thought
+                events: list[dict[str, Any]] = []
+                if thought is None:
+                    thought = {"id": new_id("rs"), "type": "reasoning", "summary": [],
+                               "content": [{"type": "reasoning_text", "text": ""}],
+                               "status": "in_progress"}
+                    self.output.append(thought)
+                    events = part_events(thought, "reasoning_text", opening=True)
+                thought["content"][0]["text"] += text
+                events.append(self._event(
+                    "response.reasoning_text.delta", item_id=thought["id"],
+                    output_index=self.output.index(thought), content_index=0, delta=text))
+                return events
+
+            def close_reasoning() -> list[dict[str, Any]]:
+                if thought is None or thought["status"] == "completed":
+                    return []
+                return part_events(thought, "reasoning_text", opening=False)
 
             def open_message() -> list[dict[str, Any]]:
                 nonlocal message
+                events = close_reasoning()
                 message = {"id": new_id("msg"), "type": "message", "status": "in_progress",
-                           "role": "assistant", "content": []}
+                           "role": "assistant", "content": [
+                               {"type": "output_text", "text": "", "annotations": [],
+                                "logprobs": []}]}
                 self.output.append(message)
-                index = len(self.output) - 1
-                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                message["content"].append(part)
-                return [self._event("response.output_item.added", output_index=index,
-                                    item={**message, "content": []}),
-                        self._event("response.content_part.added", item_id=message["id"],
-                                    output_index=index, content_index=0, part=dict(part))]
+                return events + part_events(message, "output_text", opening=True)
 
             def close_message() -> list[dict[str, Any]]:
                 nonlocal message
                 if message is None:
-                    return []
-                index, part = self.output.index(message), message["content"][0]
-                message["status"] = "completed"
-                events = [
-                    self._event("response.output_text.done", item_id=message["id"],
-                                output_index=index, content_index=0, text=part["text"],
-                                logprobs=[]),
-                    self._event("response.content_part.done", item_id=message["id"],
-                                output_index=index, content_index=0, part=dict(part)),
-                    self._event("response.output_item.done", output_index=index,
-                                item=dict(message))]
+                    return close_reasoning()
+                events = part_events(message, "output_text", opening=False)
                 message = None
                 return events
 
@@ -190,9 +227,17 @@ class ResponseTurn:
                 comp = out.outputs[0]
                 generated += len(comp.token_ids)
                 finished = comp.finish_reason is not None
-                if comp.text:
-                    for event in pieces_events(parser.feed(comp.text) if parser
-                                               else [comp.text]):
+                thinking, answer = "", comp.text
+                if self.reasoning is not None:
+                    thinking, answer = self.reasoning.feed(comp.text)
+                    if finished:
+                        more_thinking, more_answer = self.reasoning.finish()
+                        thinking, answer = thinking + more_thinking, answer + more_answer
+                if thinking:
+                    for event in reasoning_events(thinking):
+                        yield event
+                if answer:
+                    for event in pieces_events(parser.feed(answer) if parser else [answer]):
                         yield event
                 if finished:
                     reason = comp.finish_reason
@@ -203,10 +248,13 @@ class ResponseTurn:
             for event in close_message():
                 yield event
             view = await engine.get_session(self.response_id)
+            thoughts = [part["text"] for item in self.output if item["type"] == "reasoning"
+                        for part in item["content"]]
             usage = {"input_tokens": len(self.prompt_ids),
                      "input_tokens_details": {"cached_tokens": view.num_cached_tokens},
                      "output_tokens": generated,
-                     "output_tokens_details": {"reasoning_tokens": 0},
+                     "output_tokens_details": {
+                         "reasoning_tokens": self.service.state.reasoning_tokens(thoughts) or 0},
                      "total_tokens": len(self.prompt_ids) + generated}
             incomplete = "max_output_tokens" if reason == "length" else None
             status = "incomplete" if incomplete else "completed"
@@ -219,9 +267,12 @@ class ResponseTurn:
                 await self.service.abandon(self)
 
     def assistant_message(self) -> ChatMessage:
-        """This turn's output as the assistant message the next turn renders."""
+        """This turn's output as the assistant message the next turn renders: its text as
+        generated (a think block before the answer included), calls apart."""
         text = "".join(part["text"] for item in self.output if item["type"] == "message"
                        for part in item["content"])
+        if self.reasoning is not None:
+            text = self.reasoning.head + text
         calls = [ToolCall(id=item["call_id"], function=CalledFunction(
             name=item["name"], arguments=item["arguments"]))
             for item in self.output if item["type"] == "function_call"]

@@ -23,6 +23,7 @@ from loom.errors import (
 from loom.sampling_params import RequestOutputKind, SamplingParams
 from loom.server.limits import check_api_key
 from loom.server.protocol import ToolFields
+from loom.server.reasoning import ReasoningParser, ReasoningStream, prompt_thinking
 from loom.server.tools import TemplateToolSupport, ToolPlan, plan_tools, template_inputs
 from loom.tokenizer import ChatTemplate
 
@@ -33,6 +34,9 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({
 
 
 _OWNER_RECORD = "session-owner"
+# Tokens of a prompt's end read for an opened or pre-filled think block (`<think>\n\n</think>
+# \n\n` is a dozen characters; a tokenizer without think tokens spells them in pieces).
+_PROMPT_TAIL_TOKENS = 32
 
 
 def key_digest(key: str) -> bytes:
@@ -55,6 +59,9 @@ class ServerConfig:
     # its conversation stays continuable, recomputed), and at most this many are stored.
     response_ttl_s: float | None = 3600.0
     max_stored_responses: int = 10_000
+    # How a think-tag model's reasoning is split from its answer (reasoning.PARSER_CHOICES;
+    # "auto": qwen3 when the chat template thinks, else none).
+    reasoning_parser: str = "auto"
 
 
 @dataclass
@@ -64,6 +71,7 @@ class ServerState:
     engine: EngineClient
     config: ServerConfig
     metrics: Any = None  # loom.server.metrics.MetricsExporter
+    reasoning: ReasoningParser | None = None  # None: outputs are all content
     session_owners: dict[str, str] = field(default_factory=dict)
     # Sessions whose creation is under way: they count against their key's quota already,
     # so concurrent creations cannot pass the check together.
@@ -211,6 +219,23 @@ class ServerState:
         if self._tool_support is None or self._tool_support[0] is not template:
             self._tool_support = (template, TemplateToolSupport.probe(template))
         return self._tool_support[1]
+
+    def reasoning_stream(self, prompt_ids: Sequence[int], constrained: bool = False
+                         ) -> ReasoningStream | None:
+        """A stream splitting one output of this prompt into reasoning and content (None
+        without a reasoning parser); `constrained`: the output follows a grammar."""
+        if self.reasoning is None:
+            return None
+        tail = self.tokenizer.decode(list(prompt_ids[-_PROMPT_TAIL_TOKENS:]),
+                                     skip_special_tokens=False)
+        return self.reasoning.stream(prompt_thinking(tail), constrained)
+
+    def reasoning_tokens(self, texts: Sequence[str]) -> int | None:
+        """Tokens of outputs' reasoning texts, as the tokenizer spells them (usage's
+        `reasoning_tokens`); None without a reasoning parser."""
+        if self.reasoning is None:
+            return None
+        return sum(len(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts if t)
 
     @property
     def end_token_ids(self) -> list[int]:

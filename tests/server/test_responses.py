@@ -148,7 +148,8 @@ def test_reads_deletes_and_refusals(api) -> None:
         ([{"type": "message", "role": "robot", "content": "x"}], "input[0].role"),
         ([{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}],
          "input[0].content[0].type"),
-        ([{"type": "reasoning"}], "input[0].type"),
+        ([{"type": "reasoning"}], "input[0].summary"),
+        ([{"type": "computer_call"}], "input[0].type"),
     ]
     for items, field in bad_items:
         assert_error(http.post("/v1/responses", json={"model": MODEL, "input": items}), 400,
