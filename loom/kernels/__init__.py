@@ -11,6 +11,7 @@ import torch
 
 from loom.kernels.build import kernel_status, load_library
 from loom.kernels.cpu_ops import (
+    GATED_ACTIVATION_CODES,
     GGUF_C_BLOCK_TYPES,
     KV_CACHE_KERNEL_DTYPES,
     W4A8_MAX_SEGMENTS,
@@ -18,10 +19,12 @@ from loom.kernels.cpu_ops import (
     argmax_logsumexp,
     cpu_kernels_available,
     dequantize_gguf_blocks,
+    gated_act,
     linear_f32,
     linear_w4a8,
     linear_w8,
     linear_w8a8_reference,
+    moe_route,
     paged_attention,
     rms_norm,
     rope_neox,
@@ -56,6 +59,7 @@ def elementwise_kernels(x: torch.Tensor, *params: torch.Tensor) -> ModuleType | 
 
 __all__ = [
     "CUDA_INVARIANT_ARITHMETIC",
+    "GATED_ACTIVATION_CODES",
     "GGUF_C_BLOCK_TYPES",
     "KERNEL_ARITHMETIC",
     "KV_CACHE_KERNEL_DTYPES",
@@ -65,12 +69,14 @@ __all__ = [
     "cpu_kernels_available",
     "dequantize_gguf_blocks",
     "elementwise_kernels",
+    "gated_act",
     "kernel_status",
     "linear_f32",
     "linear_w4a8",
     "linear_w8",
     "linear_w8a8_reference",
     "load_library",
+    "moe_route",
     "paged_attention",
     "rms_norm",
     "rope_neox",

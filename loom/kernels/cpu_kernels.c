@@ -9,8 +9,8 @@
  *
  * Every kernel is a `*_body` function made of OpenMP worksharing loops (each ending in a
  * barrier), which all threads of an enclosing parallel region call together, plus an exported
- * wrapper that opens that region. The fused decoder (end of file) runs a whole step's layers
- * inside one region: waking sleeping threads for every small operation costs more than the
+ * wrapper that opens that region. The fused decoder (decoder_layer.c) runs a whole step's
+ * layers inside one region: waking sleeping threads for every small operation costs more than the
  * operation itself on a decode step.
  *
  * One file per job under cpu/, compiled as this one translation unit (the parts share static
@@ -31,3 +31,4 @@
 #include "cpu/dequantize.c"
 #include "cpu/w4a8_kquants.c"
 #include "cpu/w4a8_blocks32.c"
+#include "cpu/moe.c"

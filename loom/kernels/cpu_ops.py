@@ -357,3 +357,44 @@ def linear_w4a8(x: torch.Tensor, segments: list[tuple[int, torch.Tensor, int]],
     fn(x.data_ptr(), m, k, count, types, pointers, columns,
        None if bias is None else bias.data_ptr(), y.data_ptr())
     return y
+
+
+# The gated activations of the C kernels (`gated_act_row` in cpu/decoder_layer.c): name ->
+# the code the fused decoder's layers and the MoE block carry.
+GATED_ACTIVATION_CODES: dict[str, int] = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
+
+
+def gated_act(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up of each row gate_up [M, 2 * I] = gate | up -> [M, I] float32: the code
+    the fused decoder's feed-forward blocks and the MoE block run (the tests' oracle)."""
+    _check(gate_up, "gate_up", torch.float32)
+    if activation not in GATED_ACTIVATION_CODES:
+        raise ValueError(f"activation {activation!r} is not one of "
+                         f"{sorted(GATED_ACTIVATION_CODES)}")
+    m, width = gate_up.shape
+    if width % 2:
+        raise ValueError(f"gate_up has an odd width {width}")
+    out = torch.empty((m, width // 2), dtype=torch.float32)
+    _lib().loom_gated_act(gate_up.data_ptr(), m, width // 2,
+                          GATED_ACTIVATION_CODES[activation], out.data_ptr())
+    return out
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool,
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, top_k] float32, experts [T, top_k] int64) of router logits [T, E]
+    float32, as the C MoE block routes: softmax in float32, the top_k experts by probability
+    (ties to the lower index), their probabilities as weights, divided by their sum (added
+    in slot order) when `renormalize`."""
+    _check(logits, "logits", torch.float32)
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [T, E], got {tuple(logits.shape)}")
+    t, e = logits.shape
+    if not 0 < top_k <= e:
+        raise ValueError(f"top_k {top_k} outside 1..{e} experts")
+    weights = torch.empty((t, top_k), dtype=torch.float32)
+    experts = torch.empty((t, top_k), dtype=torch.int64)
+    if t:
+        _lib().loom_moe_route(logits.data_ptr(), t, e, top_k, int(renormalize),
+                              weights.data_ptr(), experts.data_ptr())
+    return weights, experts

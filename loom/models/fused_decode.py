@@ -4,9 +4,10 @@ A decode step computes one token per sequence; in eager PyTorch its cost on a CP
 per-operation overhead (about 25 small ops per layer, each waking the thread pool). When
 every layer of a model has the supported shape (pre-norm or Gemma's sandwich norms, stacked
 q/k/v and gate/up projections, float32 or int8 weights, rotate-half RoPE, SiLU or
-tanh-GELU) and the KV cache is float32 or float16 on the CPU, `FusedDecoder` runs all layers in a
-single call into Loom's C kernels (one OpenMP parallel region for the whole step), with the
-same kernels the modules call one by one.
+tanh-GELU; the feed-forward block a gated MLP or a mixture of experts of them, which runs as
+cpu/moe.c's block) and the KV cache is float32 or float16 on the CPU, `FusedDecoder` runs all
+layers in a single call into Loom's C kernels (one OpenMP parallel region for the whole
+step), with the same kernels the modules call one by one.
 
 In w4a8 (the default mode for a quantised GGUF) and w8a8 it runs every step, prefill chunks
 of any size included: one arithmetic per token (int8 products summed exactly, float
@@ -30,6 +31,7 @@ from torch import nn
 
 from loom.attention import AttentionMetadata
 from loom.kernels import (
+    GATED_ACTIVATION_CODES,
     KV_CACHE_KERNEL_DTYPES,
     W4A8_MAX_SEGMENTS,
     cpu_kernels_available,
@@ -44,8 +46,6 @@ from loom.models.w4a8 import W4A8Linear
 # such as a live append (the attention kernel is causal within a chunk). Longer prefills use
 # the modules, where torch's float matmuls pay off.
 FUSED_MAX_TOKENS = 32
-
-_ACTIVATION_CODES = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
 
 
 class _LinearDesc(ctypes.Structure):
@@ -69,6 +69,19 @@ class _LayerDesc(ctypes.Structure):
         ("input_norm", ctypes.c_void_p), ("post_attn_norm", ctypes.c_void_p),
         ("pre_ffn_norm", ctypes.c_void_p), ("post_ffn_norm", ctypes.c_void_p),
         ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+        ("moe", ctypes.c_void_p),  # a _MoEDesc, or None: the dense gate_up / down
+    ]
+
+
+class _MoEDesc(ctypes.Structure):
+    """LoomMoE (cpu/moe.c): a mixture-of-experts block; gate_up and down point at arrays of
+    num_experts _LinearDesc."""
+
+    _fields_ = [
+        ("num_experts", ctypes.c_int64), ("top_k", ctypes.c_int64),
+        ("hidden", ctypes.c_int64), ("intermediate", ctypes.c_int64),
+        ("renormalize", ctypes.c_int32), ("activation", ctypes.c_int32),
+        ("router", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
     ]
 
 
@@ -130,16 +143,78 @@ def _norm(module: Any, keep: list[Any]) -> tuple[int | None, float, float]:
     return _f32(module.weight.data, keep), (1.0 if module.gemma else 0.0), module.eps
 
 
+def _activation(module: nn.Module) -> int:
+    code = GATED_ACTIVATION_CODES.get(module.activation)
+    if code is None:
+        raise _Unsupported(f"activation {module.activation!r}")
+    return code
+
+
+def is_sparse_moe(module: object) -> bool:
+    """Whether `module` is a mixture-of-experts block (loom.models.moe.SparseMoE), told by
+    its attributes: this module imports nothing from loom.models.moe, so that moe.py may
+    import the kernel form (loom.models.moe_kernel, which imports this module)."""
+    return all(hasattr(module, name) for name in
+               ("gate", "experts", "top_k", "renormalize", "num_experts", "route"))
+
+
+def describe_moe(moe: nn.Module, keep: list[Any]) -> _MoEDesc:
+    """The C descriptor of a SparseMoE block: its float32 router and each expert's stacked
+    gate_up and down projections as the fused decoder's linear kinds (`keep` receives every
+    object the descriptor points into, which must outlive it)."""
+    router = getattr(moe.gate, "weight", None)
+    if not isinstance(router, torch.Tensor) or router.shape != (moe.num_experts,
+                                                                 moe.hidden_size):
+        raise _Unsupported("the router has no [experts, hidden] weight")
+    experts = list(moe.experts)
+    if len(experts) != moe.num_experts:
+        raise _Unsupported(f"{len(experts)} expert modules for {moe.num_experts} experts")
+    # The experts' width from their layers: a tensor-parallel rank's experts hold a slice
+    # of the block's intermediate_size (its partial sum is all-reduced after the block).
+    gate_up, down, widths = [], [], set()
+    for expert in experts:
+        if not isinstance(expert, GatedMLP) or expert.gate_up_proj is None:
+            raise _Unsupported("an expert is not a gated MLP with stacked gate/up projections")
+        if _activation(expert) != _activation(moe):
+            raise _Unsupported("an expert's activation differs from the block's")
+        gu, dn = _linear(expert.gate_up_proj, keep), _linear(expert.down_proj, keep)
+        shapes = (gu.in_features, gu.out_features, dn.in_features, dn.out_features)
+        if shapes != (moe.hidden_size, 2 * dn.in_features, dn.in_features, moe.hidden_size):
+            raise _Unsupported(f"an expert's projections have shapes {shapes}")
+        widths.add(dn.in_features)
+        gate_up.append(gu)
+        down.append(dn)
+    if len(widths) != 1:
+        raise _Unsupported(f"experts of different widths {sorted(widths)}")
+    gate_up_array = (_LinearDesc * len(gate_up))(*gate_up)
+    down_array = (_LinearDesc * len(down))(*down)
+    keep += [gate_up_array, down_array]
+    desc = _MoEDesc(
+        num_experts=moe.num_experts, top_k=moe.top_k, hidden=moe.hidden_size,
+        intermediate=widths.pop(), renormalize=int(bool(moe.renormalize)),
+        activation=_activation(moe), router=_f32(router.data, keep),
+        gate_up=ctypes.addressof(gate_up_array), down=ctypes.addressof(down_array),
+    )
+    keep.append(desc)  # the layer descriptor (or MoEKernel) points at it
+    return desc
+
+
 def _describe(layer: nn.Module, keep: list[Any]) -> _LayerDesc:
     roles = getattr(layer, "norm_roles", None)
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if roles is None or not isinstance(attn, SelfAttention) or not isinstance(mlp, GatedMLP):
+    moe = is_sparse_moe(mlp)
+    if roles is None or not isinstance(attn, SelfAttention) or not (
+            moe or isinstance(mlp, GatedMLP)):
         raise _Unsupported(f"{type(layer).__name__} has no fused decode layout")
-    if attn.qkv_proj is None or mlp.gate_up_proj is None:
+    if attn.qkv_proj is None or (not moe and mlp.gate_up_proj is None):
         raise _Unsupported("projections are not stacked (run fuse_projections first)")
-    activation = _ACTIVATION_CODES.get(mlp.activation)
-    if activation is None:
-        raise _Unsupported(f"activation {mlp.activation!r}")
+    activation = _activation(mlp)
+    if moe:  # the experts replace gate_up / down (left zero: never read)
+        moe_desc = describe_moe(mlp, keep)
+        intermediate, gate_up, down = moe_desc.intermediate, _LinearDesc(), _LinearDesc()
+    else:
+        moe_desc, intermediate = None, mlp.down_proj.in_features
+        gate_up, down = _linear(mlp.gate_up_proj, keep), _linear(mlp.down_proj, keep)
     norms = {role: _norm(getattr(layer, name), keep) for role, name in roles.items()}
     q_norm, k_norm = _norm(attn.q_norm, keep), _norm(attn.k_norm, keep)
     offsets = {off for ptr, off, _ in [*norms.values(), q_norm, k_norm] if ptr is not None}
@@ -152,23 +227,25 @@ def _describe(layer: nn.Module, keep: list[Any]) -> _LayerDesc:
     spec = attn.attn.spec
     return _LayerDesc(
         hidden=attn.o_proj.out_features, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim, intermediate=mlp.down_proj.in_features,
+        head_dim=spec.head_dim, intermediate=intermediate,
         eps=epsilons.pop(), norm_offset=offsets.pop(), activation=activation,
         sandwich_norms=int(sandwich), attn_scale=spec.scale, softcap=spec.logit_softcap or 0.0,
         window=spec.sliding_window or 0,
         qkv=_linear(attn.qkv_proj, keep), o=_linear(attn.o_proj, keep),
-        gate_up=_linear(mlp.gate_up_proj, keep), down=_linear(mlp.down_proj, keep),
+        gate_up=gate_up, down=down,
         input_norm=norms["input"][0], pre_ffn_norm=norms["pre_ffn"][0],
         post_attn_norm=norms.get("post_attn", (None,))[0],
         post_ffn_norm=norms.get("post_ffn", (None,))[0],
         q_norm=q_norm[0], k_norm=k_norm[0],
+        moe=None if moe_desc is None else ctypes.addressof(moe_desc),
     )
 
 
 def _all_w8a8(layers: list[nn.Module]) -> bool:
     """Every linear layer is w8a8 (or w4a8) on the kernels and none multiplies large calls
     in another dtype (an explicit bf16 prefill keeps large steps on the modules): one
-    arithmetic for any number of rows."""
+    arithmetic for any number of rows. A mixture of experts' router is no nn.Linear (not
+    counted): it is float32 through f32_body, one arithmetic for any number of rows too."""
     linears = [m for layer in layers for m in layer.modules()
                if isinstance(m, nn.Linear | Int8Linear | W4A8Linear)]
     return bool(linears) and all(

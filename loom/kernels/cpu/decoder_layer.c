@@ -16,8 +16,15 @@ typedef struct {
     const float *bias;  /* [out_features] or NULL */
 } LoomLinear;
 
+/* The mixture-of-experts feed-forward block (defined in moe.c, a later part: it runs the
+ * kernels of the parts after this one). */
+typedef struct LoomMoE LoomMoE;
+typedef struct MoEWork MoEWork;
+
 /* A pre-norm decoder layer (Llama, Qwen2/3) or, with sandwich_norms, Gemma's layer with norms
- * after attention and after the MLP as well. Norms compute x / rms(x) * (w + norm_offset). */
+ * after attention and after the MLP as well. Norms compute x / rms(x) * (w + norm_offset).
+ * With moe set, the feed-forward block is that mixture of experts (gate_up and down unused;
+ * intermediate is the experts' width). */
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate;
     float eps, norm_offset;
@@ -28,7 +35,16 @@ typedef struct {
     LoomLinear qkv, o, gate_up, down;
     const float *input_norm, *post_attn_norm, *pre_ffn_norm, *post_ffn_norm;
     const float *q_norm, *k_norm; /* NULL: no QK norm */
+    const LoomMoE *moe;           /* NULL: the dense gated MLP */
 } LoomDecoderLayer;
+
+/* moe.c: the block body (every thread of the region calls it; y may be x) and its workspace
+ * for m tokens of any of these layers (NULL where none has experts). */
+static void moe_block_body(const LoomMoE *moe, const float *x, int64_t m, float *y,
+                           const MoEWork *w);
+static MoEWork *moe_work_for_layers(const LoomDecoderLayer *layers, int64_t num_layers,
+                                    int64_t m);
+static void moe_work_free(MoEWork *w);
 
 static void w4_linear_kind3_body(const void *segments, const float *x, int64_t m, int64_t k,
                                  const float *bias, float *y, const QuantBuffers *q);
@@ -73,10 +89,34 @@ static inline __m256 gated_act256(__m256 g, __m256 u, int activation) {
     return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u);
 }
 
+/* a[j] = act(g[j]) * u[j] for one row of `inter` values: gated_act256 on 8 lanes at a time,
+ * then the scalar tail. The one activation code of the dense FFN, the experts and
+ * `loom_gated_act` (so all give the same bits). */
+static inline void gated_act_row(const float *g, const float *u, int64_t inter, int activation,
+                                 float *a) {
+    int64_t j = 0;
+    for (; j + 8 <= inter; j += 8)
+        _mm256_storeu_ps(a + j, gated_act256(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j),
+                                             activation));
+    for (; j < inter; j++)
+        a[j] = (activation == 1 ? gelu_tanh(g[j]) : g[j] / (1.0f + expf(-g[j]))) * u[j];
+}
+
+/* out[r] = act(gate) * up of each row gu[r] = gate | up ([m, 2 * inter] -> [m, inter]): the
+ * activation the fused decoder and the MoE block run (the tests' oracle composes with it). */
+LOOM_EXPORT void loom_gated_act(const float *gu, int64_t m, int64_t inter, int32_t activation,
+                                float *out) {
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < m; r++)
+        gated_act_row(gu + r * 2 * inter, gu + r * 2 * inter + inter, inter, activation,
+                      out + r * inter);
+}
+
 /* Buffers one layer needs, shared by the threads of the step's parallel region. */
 typedef struct {
     float *h, *qkv, *q, *k, *q_rot, *k_rot, *attn, *gu, *act;
     QuantBuffers quant;
+    const MoEWork *moe; /* the MoE layers' buffers (NULL: no layer has experts) */
 } Workspace;
 
 /* x += norm(h) with Gemma's sandwich norms (`norm` the post-attention or post-feedforward
@@ -127,21 +167,18 @@ static void decode_layer_body(const LoomDecoderLayer *L, float *x, int64_t m, co
     linear_any_body(&L->o, ws->attn, m, ws->h, &ws->quant);
     add_block_output(L, L->post_attn_norm, ws->h, x, m);
 
-    /* Feed-forward block. */
+    /* Feed-forward block: the dense gated MLP, or the experts (in place on the normed rows). */
     rms_norm_body(x, m, hid, L->pre_ffn_norm, L->norm_offset, L->eps, NULL, ws->h);
-    linear_any_body(&L->gate_up, ws->h, m, ws->gu, &ws->quant);
+    if (L->moe) {
+        moe_block_body(L->moe, ws->h, m, ws->h, ws->moe);
+    } else {
+        linear_any_body(&L->gate_up, ws->h, m, ws->gu, &ws->quant);
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < m; r++) {
-        const float *g = ws->gu + r * 2 * inter, *u = g + inter;
-        float *a = ws->act + r * inter;
-        int64_t j = 0;
-        for (; j + 8 <= inter; j += 8)
-            _mm256_storeu_ps(a + j, gated_act256(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j),
-                                                 L->activation));
-        for (; j < inter; j++)
-            a[j] = (L->activation == 1 ? gelu_tanh(g[j]) : g[j] / (1.0f + expf(-g[j]))) * u[j];
+        for (int64_t r = 0; r < m; r++)
+            gated_act_row(ws->gu + r * 2 * inter, ws->gu + r * 2 * inter + inter, inter,
+                          L->activation, ws->act + r * inter);
+        linear_any_body(&L->down, ws->act, m, ws->h, &ws->quant);
     }
-    linear_any_body(&L->down, ws->act, m, ws->h, &ws->quant);
     add_block_output(L, L->post_ffn_norm, ws->h, x, m);
 }
 
@@ -189,6 +226,8 @@ LOOM_EXPORT void loom_decode_layers(const LoomDecoderLayer *layers, int64_t num_
     ws.gu = (float *)malloc((size_t)(m * 2 * inter) * sizeof(float));
     ws.act = (float *)malloc((size_t)(m * inter) * sizeof(float));
     ws.quant = quant_buffers(m, max_k);
+    MoEWork *moe_work = moe_work_for_layers(layers, num_layers, m);
+    ws.moe = moe_work;
 #pragma omp parallel
     for (int64_t l = 0; l < num_layers; l++) {
         decode_layer_body(&layers[l], x, m, cos_t[l], sin_t[l], k_caches[l], v_caches[l],
@@ -200,4 +239,5 @@ LOOM_EXPORT void loom_decode_layers(const LoomDecoderLayer *layers, int64_t num_
     free(ws.attn), free(ws.gu), free(ws.act);
     free_attn_plan(plan);
     free_quant_buffers(ws.quant);
+    moe_work_free(moe_work);
 }
