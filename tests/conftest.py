@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_gguf import every_type, write_tiny_llama
+from tiny_gguf import MOE_KQUANTS, every_type, write_tiny_llama, write_tiny_moe
 from tiny_reference import TINY_ARCHS, build_tiny_model, build_tiny_tokenizer
 
 CUDA = torch.cuda.is_available()
@@ -39,6 +39,16 @@ def tiny_gguf_folder(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-gguf")
     build_tiny_tokenizer(folder)
     write_tiny_llama(folder / "tiny-every-type.gguf", every_type)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_gguf_folder(tmp_path_factory) -> Path:
+    """A folder holding a tiny Qwen3-MoE GGUF (4 experts, 2 a token; Q4_K_M's mix: Q4_K
+    gate/up experts, Q6_K down) and the tiny tokenizer."""
+    folder = tmp_path_factory.mktemp("tiny-moe-gguf")
+    build_tiny_tokenizer(folder)
+    write_tiny_moe(folder / "tiny-qwen3moe.gguf", "qwen3moe", MOE_KQUANTS)
     return folder
 
 

@@ -36,6 +36,7 @@ from torch import nn
 
 from loom.kernels import linear_f32, use_cpu_kernels
 from loom.models.layers import GatedMLP
+from loom.models.moe_kernel import MoEKernel
 
 
 def expert_count(t: dict[str, Any]) -> int:
@@ -128,12 +129,10 @@ class SparseMoE(nn.Module):
             start += count
         return combine_slots(slots.view(t, k, self.hidden_size), weights.to(x.dtype))
 
-    def _cpu_kernel(self, x: torch.Tensor):  # -> MoEKernel | None
+    def _cpu_kernel(self, x: torch.Tensor) -> MoEKernel | None:
         if not use_cpu_kernels(x) or x.dtype != torch.float32:
             return None
         if self._kernel_status == "not built":
-            from loom.models.moe_kernel import MoEKernel  # noqa: PLC0415 (built on demand)
-
             self._kernel, self._kernel_status = MoEKernel.build(self)
         return self._kernel
 

@@ -45,7 +45,7 @@ def test_route_topk_orders_by_probability_and_breaks_ties_by_index():
     renormalised, same = route_topk(logits, 2, renormalize=True)
     assert torch.equal(same, experts)
     assert torch.allclose(renormalised.sum(-1), torch.ones(3))
-    everything, all_experts = route_topk(logits, 4, renormalize=True)
+    _, all_experts = route_topk(logits, 4, renormalize=True)
     assert sorted(all_experts[0].tolist()) == [0, 1, 2, 3]
 
 
