@@ -123,13 +123,13 @@ ROUTER_STD = 0.5
 
 def write_tiny_moe(path: Path, arch: str, types: dict[str, int], seed: int = 0,
                    experts: int = EXPERTS, split_experts: bool = False,
-                   expert_count: int | None = None) -> Path:
+                   expert_count: int | None = None, chat_template: str | None = None) -> Path:
     """A 2-layer mixture-of-experts GGUF at `path`: `arch` "qwen3moe" (Qwen3-MoE, QK-norm)
     or "llama" (Mixtral, as llama.cpp writes it). `types` gives the GGUF type of each role:
     "attention" (q, k, v, o), "gate", "up", "down" (the experts' 3-D tensors), "embedding"
     (tied). The router is F32, as llama.cpp keeps it. `split_experts`: one 2-D tensor per
     expert (older converters); `expert_count`: the count written in the header (default:
-    `experts`, the tensors' count)."""
+    `experts`, the tensors' count); `chat_template`: the file's `tokenizer.chat_template`."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -144,6 +144,8 @@ def write_tiny_moe(path: Path, arch: str, types: dict[str, int], seed: int = 0,
     writer.add_rope_freq_base(10000.0)
     writer.add_expert_count(expert_count if expert_count is not None else experts)
     writer.add_expert_used_count(EXPERTS_USED)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     if arch == "qwen3moe":
         writer.add_expert_feed_forward_length(MOE_FFN)
         writer.add_key_length(HIDDEN // HEADS)

@@ -223,11 +223,14 @@ def _model_files_template(path: Path) -> tuple[str | None, str, str, str]:
         return _hf_folder_template(path.parent)
     if path.is_dir():
         found = _hf_folder_template(path)
-        if found[0] is not None or (path / "tokenizer.json").is_file():
+        if found[0] is not None:
             return found
+        # A folder of one GGUF (beside a tokenizer.json or not): the file's own template.
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return _gguf_template(ggufs[0])
+            carried = _gguf_template(ggufs[0])
+            if carried[0] is not None or not (path / "tokenizer.json").is_file():
+                return carried
         return found
     return None, "", "", str(path)
 
