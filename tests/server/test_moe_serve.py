@@ -1,7 +1,8 @@
 """`loom serve --model` on a mixture-of-experts GGUF, as a user starts it: a tiny Qwen3-MoE
 file (experts from their Q4_K / Q6_K blocks, the default mode) whose own
-`tokenizer.chat_template` has think blocks (so the qwen3 reasoning parser is on), answering the openai client's chat (the
-reasoning in `reasoning_content`, streamed too) and a live session over HTTP."""
+`tokenizer.chat_template` has think blocks (so the qwen3 reasoning parser is on), answering
+the openai client's chat (the reasoning in `reasoning_content`, streamed too) and a live
+session over HTTP."""
 
 from __future__ import annotations
 
