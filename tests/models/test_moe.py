@@ -239,3 +239,40 @@ def test_truncated_expert_tensor_names_it(tmp_path):
     (tmp_path / "cut.gguf").write_bytes(data)
     with pytest.raises(InvalidModelError, match=rf"tensor '{cut_in.name}' runs past the end"):
         make_engine(tmp_path, quantization=None)
+
+
+def test_default_mode_experts_come_from_the_files_blocks_and_the_cache_rebuilds_them(
+    moe_files, tmp_path, monkeypatch,
+):
+    """In w4a8 every expert's stacked gate/up and its down are the file's Q4_K / Q6_K blocks
+    (no second quantisation), the router stays float32, the fused decoder runs the MoE
+    layers, and a load from the prepared cache computes the same bits."""
+    from loom.models.w4a8 import W4A8Linear
+    from loom.runner import build_model
+    from loom.runner.prepared import prepared_path, wait_for_prepared_writes
+
+    monkeypatch.setenv("LOOM_CACHE_DIR", str(tmp_path))
+    folder = moe_files["qwen3moe", "kquants"]
+    _, model = build_model(folder, quantization="w4a8")
+    moe = model.model.layers[1].mlp
+    assert isinstance(moe, SparseMoE) and len(moe.experts) == EXPERTS
+    for expert in moe.experts:
+        assert isinstance(expert.gate_up_proj, W4A8Linear)
+        assert expert.gate_up_proj.types == [MOE_KQUANTS["gate"], MOE_KQUANTS["up"]]
+        assert expert.down_proj.types == [MOE_KQUANTS["down"]]
+    assert moe.gate.weight.dtype == torch.float32
+    _, exact = build_model(folder, quantization=None)
+    third = exact.model.layers[1].mlp.experts[3]
+    assert torch.equal(moe.experts[3].gate_up_proj.dequantized_weight(),
+                       third.gate_up_proj.weight)
+    x = torch.randn(5, HIDDEN)
+    first = moe(x)
+    wait_for_prepared_writes(prepared_path(folder / "moe.gguf", torch.float32, "w4a8",
+                                           "packed", None))
+    _, warm = build_model(folder, quantization="w4a8")
+    assert torch.equal(warm.model.layers[1].mlp(x), first)
+    engine = make_engine(folder)  # the default mode, from the prepared cache
+    engine.add_request("a", PROMPT, SamplingParams(temperature=0.0, max_tokens=3))
+    run_to_completion(engine)
+    assert engine.config.quantization == "w4a8"
+    assert engine.runner.model.fused_decode_status == "ok"
