@@ -26,11 +26,28 @@ it, or with `--with-8b` when at least 20 GB of memory is available (else it is l
 skipped). `--sizes` also takes paths of real GGUF files. `--model` and `--quantization` of the
 common flags are not used here (`--sizes` and `--loom-modes` choose).
 
+Mixtures of experts (issue 45), only when `--sizes` names them, in a run of their own (their
+own result, `model_sizes_moe.json`, and doc section): `qwen3-30b-a3b` (Qwen3-30B-A3B's
+layers: 128 experts of width 768, 8 a token, QK-norm; 16 of its 48 layers) and
+`mixtral-8x7b` (Mixtral-8x7B's: 8 experts of width 14336, 2 a token, GGUF arch "llama"; 4
+of its 32 layers), written by `benchmarks/random_moe_gguf.py` (Q4_K_M's blocks written
+directly, SmolLM2's tokenizer; `--moe-layers N` writes another cut). Loom runs its default
+mode only unless `--loom-modes` says otherwise. Besides the above, per engine: the total
+decode tok/s of `--streams` (8) concurrent streams (Loom: one engine; llama.cpp: one
+context with that many sequences, through llama-cpp-python's low-level batch API), sampled at
+`--stream-temperature` (1: greedy decoding of random weights repeats one token in every
+stream, whose steps would then share their experts); the time
+to read the file from disk with the page cache dropped (root), and each engine's first load
+after the page cache is dropped the same way (llama.cpp then loads again, warm, and
+measures); bytes per token count only the active experts' share of the expert tensors
+(experts_used / experts) besides the dense parts; and the issue's targets, met or not.
+
     python benchmarks/bench_model_sizes.py                     # 360M, 1.7B, 3B
     python benchmarks/bench_model_sizes.py --with-8b           # and 8B when memory allows
     python benchmarks/bench_model_sizes.py --sizes smollm2-1.7b --loom-modes auto w4a8 w8a8
     python benchmarks/bench_model_sizes.py --quick --no-doc    # 360M only, 16 tokens
-    python benchmarks/bench_model_sizes.py --doc-only          # re-render the doc section
+    python benchmarks/bench_model_sizes.py --doc-only          # re-render the doc section(s)
+    python benchmarks/bench_model_sizes.py --sizes qwen3-30b-a3b mixtral-8x7b  # MoE (issue 45)
 """
 
 from __future__ import annotations
@@ -51,9 +68,12 @@ from typing import Any
 import bench_latency as bl
 import common as c
 from random_gguf import SHAPES, llama_quantize, write_random_gguf
+from random_moe_gguf import MOE_SHAPES, layer_cut, with_layers, write_random_moe_gguf
 
 NAME = "model_sizes"
 TITLE = "Model sizes: Loom against llama.cpp on 0.36-8B Q4_K_M GGUFs"
+NAME_MOE = "model_sizes_moe"
+TITLE_MOE = "Mixtures of experts against llama.cpp (issue 45, 2026-11-27)"
 DEFAULT_SIZES = ["smollm2-360m", "smollm2-1.7b", "llama-3b"]
 QUICK_SIZES = ["smollm2-360m"]
 BIG_SIZE = "llama-8b"
@@ -72,6 +92,8 @@ GIB = 2**30
 def model_file(size: str, cache_dir: Path) -> Path:
     """The GGUF of `size`: a path as given, or the random file of that shape in `cache_dir`
     (written once, atomically, and reused)."""
+    if size in MOE_SHAPES:
+        return moe_model_file(size, cache_dir)
     if size not in SHAPES:
         path = Path(size).expanduser()
         if not path.is_file():
@@ -108,6 +130,24 @@ def model_file(size: str, cache_dir: Path) -> Path:
     return path
 
 
+def moe_model_file(size: str, cache_dir: Path) -> Path:
+    """The random mixture-of-experts GGUF of `size` in `cache_dir`, its layer cut in the
+    name (written once, atomically, and reused; `benchmarks/random_moe_gguf.py`)."""
+    shape = MOE_SHAPES[size]
+    path = cache_dir / f"{size}-{shape.layers}of{shape.full_layers}L-{GGUF_TYPE}.gguf"
+    if path.is_file():
+        return path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    c.log(f"{size}: writing {path} (random weights, {how_written(size)}) ...")
+    partial = path.with_name(path.name + ".partial")
+    try:
+        write_random_moe_gguf(partial, shape, log=c.log)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
 @contextlib.contextmanager
 def stderr_to(path: Path) -> Iterator[None]:
     """Send this process's stderr (file descriptor 2, which C libraries write to) to `path`
@@ -138,6 +178,9 @@ def needs_quantiser(size: str) -> bool:
 
 def how_written(size: str) -> str:
     """How a size's file is made, for the log and the result."""
+    if size in MOE_SHAPES:
+        return (f"random Q4_K / Q6_K blocks written directly in Q4_K_M's mix, "
+                f"{layer_cut(MOE_SHAPES[size])} (random_moe_gguf.py)")
     if size not in SHAPES:
         return "the file as given"
     if needs_quantiser(size):
@@ -148,26 +191,64 @@ def how_written(size: str) -> str:
 
 def size_label(size: str) -> str:
     """A size's name in the table: the shape's name, or a file's stem."""
-    return size if size in SHAPES else Path(size).stem
+    return size if size in SHAPES or size in MOE_SHAPES else Path(size).stem
+
+
+def is_moe(size: str) -> bool:
+    """Whether a size is one of the mixture-of-experts shapes."""
+    return size in MOE_SHAPES
+
+
+def gguf_experts(path: Path) -> tuple[int, int]:
+    """(experts, experts used per token) of a GGUF file; (0, 0) for a dense one."""
+    from loom.loader.gguf_reader import GGUFFile
+
+    f = GGUFFile(path)
+    arch = f.get("general.architecture")
+    return (int(f.get(f"{arch}.expert_count") or 0),
+            int(f.get(f"{arch}.expert_used_count") or 0))
+
+
+def gguf_vocab(path: Path) -> int:
+    """The vocabulary of a GGUF file: its embedding's rows."""
+    from loom.loader.gguf_reader import GGUFFile
+
+    return next(t.shape[0] for t in GGUFFile(path).tensors if t.name == "token_embd.weight")
 
 
 def gguf_read_bytes(path: Path) -> tuple[int, int]:
     """(all tensor bytes, bytes a decode step reads: all but the input embedding when the
-    file has a separate output head) of a GGUF file."""
+    file has a separate output head) of a GGUF file. In a mixture of experts a token reads
+    only its experts: each expert tensor (`*_exps`, or the older per-expert `ffn_*.{e}`)
+    counts `used / experts` of its bytes, the dense parts (attention, router, norms, output
+    head) in full."""
     from loom.loader.gguf_reader import GGUFFile
 
     tensors = GGUFFile(path).tensors
+    experts, used = gguf_experts(path)
     total = sum(t.nbytes for t in tensors)
     separate_head = any(t.name == "output.weight" for t in tensors)
-    embedding = sum(t.nbytes for t in tensors if t.name == "token_embd.weight")
-    return total, total - embedding if separate_head else total
+    read = 0.0
+    for t in tensors:
+        if separate_head and t.name == "token_embd.weight":
+            continue
+        read += t.nbytes * (used / experts if experts and _is_expert_gguf(t.name) else 1)
+    return total, round(read)
 
 
-def prepared_read_bytes(files: list[Path]) -> int:
+def _is_expert_gguf(name: str) -> bool:
+    """Whether a GGUF tensor holds experts' weights (not the router, `ffn_gate_inp`)."""
+    parts = name.split(".")
+    return "_exps" in name or (len(parts) == 5 and parts[2] in ("ffn_gate", "ffn_up",
+                                                                 "ffn_down"))
+
+
+def prepared_read_bytes(files: list[Path], expert_fraction: float = 1.0) -> int:
     """Bytes of the tensors in Loom's prepared safetensors file(s) a decode step reads: all
     but the input embedding when the output head is stored on its own (a tied head aliases
-    the embedding and is not stored twice)."""
-    total = 0
+    the embedding and is not stored twice); the experts' tensors (`.mlp.experts.`) count
+    `expert_fraction` (used / experts) of their bytes."""
+    total = 0.0
     for path in files:
         with path.open("rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
@@ -178,8 +259,8 @@ def prepared_read_bytes(files: list[Path]) -> int:
             if separate_head and name.startswith("model.embed_tokens."):
                 continue
             start, end = info["data_offsets"]
-            total += end - start
-    return total
+            total += (end - start) * (expert_fraction if ".mlp.experts." in name else 1)
+    return round(total)
 
 
 # ---- machine ---------------------------------------------------------------------------
@@ -233,6 +314,33 @@ def peak_rss_gib() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
 
 
+def drop_page_cache() -> bool:
+    """Write back dirty pages and drop the kernel's page cache (`sync; echo 3 >
+    /proc/sys/vm/drop_caches`: needs root); whether it was dropped."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        return False
+    return True
+
+
+def cold_read(path: Path, chunk_mib: int = 16) -> dict[str, Any]:
+    """The time to read `path` from disk: the page cache dropped first (where allowed), then
+    the file read through once in `chunk_mib` MiB reads, as `cat file > /dev/null`."""
+    dropped = drop_page_cache()
+    buffer = bytearray(chunk_mib * 2**20)
+    view = memoryview(buffer)
+    start = c.now()
+    nbytes = 0
+    with path.open("rb", buffering=0) as f:
+        while got := f.readinto(view):
+            nbytes += got
+    seconds = c.now() - start
+    return {"s": round(seconds, 3), "gb_s": round(nbytes / seconds / 1e9, 3),
+            "bytes": nbytes, "page_cache_dropped": dropped}
+
+
 # ---- the child processes ----------------------------------------------------------------
 
 
@@ -258,7 +366,127 @@ def child_load_loom(spec: dict[str, Any]) -> dict[str, Any]:
                            "mode_summary": llm.engine.config.mode_summary}
     if spec.get("run"):
         out.update(_child_measure(bl.loom_runner(llm.engine), spec))
+    if spec.get("streams"):
+        streams = spec["streams"]
+        temperature = streams["temperature"]
+        loom_streams(llm.engine, streams["warmup"], 4, temperature)  # the first many-row steps
+        out["streams"] = loom_streams(llm.engine, streams["prompts"], streams["max_tokens"],
+                                      temperature)
+        out["streams_peak_rss_gib"] = peak_rss_gib()
     return out
+
+
+def stream_rates(start: float, marks: list[tuple[float, int, int]], streams: int,
+                 ) -> dict[str, Any]:
+    """Throughput of `streams` concurrent greedy streams from `marks`, (time, streams with a
+    token so far, tokens so far) after each step: "decode_total_tok_s" counts the tokens
+    made once every stream has its first token (all prefills done) over the time from then
+    to the last; "overall_tok_s" every token over the time from submission (prefills
+    included)."""
+    end, _, total = marks[-1]
+    began = next(m for m in marks if m[1] == streams)
+    return {"streams": streams, "tokens": total, "wall_s": round(end - start, 3),
+            "overall_tok_s": round(total / (end - start), 3),
+            "decode_total_tok_s": round((total - began[2]) / (end - began[0]), 3),
+            "prefill_s": round(began[0] - start, 3)}
+
+
+def loom_streams(engine: Any, prompts: list[list[int]], max_tokens: int,
+                 temperature: float) -> dict[str, Any]:
+    """All `prompts` submitted at once to one Loom engine (EOS ignored; greedy at
+    temperature 0, else sampled with a seed per stream), stepped until every stream has
+    `max_tokens` tokens."""
+    from loom import SamplingParams
+
+    counts: dict[str, int] = {}
+    marks: list[tuple[float, int, int]] = []
+    start = c.now()
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                                ignore_eos=True, seed=1000 + i)
+        engine.add_request(f"stream-{i}-{start}", prompt, params)
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        for out in outs:
+            counts[out.request_id] = len(out.outputs[0].token_ids)
+        if outs:
+            marks.append((c.now(), sum(1 for n in counts.values() if n), sum(counts.values())))
+    assert sum(counts.values()) == len(prompts) * max_tokens, counts
+    return stream_rates(start, marks, len(prompts))
+
+
+def llama_cpp_streams(llm: Any, prompts: list[list[int]], max_tokens: int, threads: int,
+                      temperature: float) -> dict[str, Any]:
+    """All `prompts` as concurrent sequences of one llama.cpp context, as its `batched`
+    example and its server's parallel slots run them: a context with `n_seq_max` =
+    len(prompts) on the loaded model, the prompts prefilled in batches of up to 512 tokens,
+    then one `llama_decode` per step with one token of every sequence; greedy (argmax of each
+    sequence's logits) at temperature 0, else llama.cpp's own sampler chain (temperature,
+    then `dist` with a seed)."""
+    import ctypes
+
+    import llama_cpp as L
+    import numpy as np
+
+    n = len(prompts)
+    params = L.llama_context_default_params()
+    per_sequence = -(-(max(map(len, prompts)) + max_tokens + 16) // 256) * 256
+    params.n_ctx = n * per_sequence  # each sequence's share (llama.cpp rounds to 256)
+    params.n_batch = params.n_ubatch = 512
+    params.n_seq_max = n
+    params.n_threads = params.n_threads_batch = threads
+    ctx = L.llama_init_from_model(llm.model, params)
+    if not ctx:
+        raise RuntimeError("llama_init_from_model failed")
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(llm.model))
+    batch = L.llama_batch_init(512, 0, n)
+    sampler = None
+    if temperature > 0:
+        sampler = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        L.llama_sampler_chain_add(sampler, L.llama_sampler_init_temp(temperature))
+        L.llama_sampler_chain_add(sampler, L.llama_sampler_init_dist(1000))
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> list[tuple[int, int]]:
+        """(token, position, sequence, wants logits) -> (sequence, greedy next token)."""
+        for j, (token, pos, seq, logits) in enumerate(entries):
+            batch.token[j], batch.pos[j], batch.n_seq_id[j] = token, pos, 1
+            batch.seq_id[j][0], batch.logits[j] = seq, logits
+        batch.n_tokens = len(entries)
+        if L.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        picked = []
+        for j, (_, _, seq, logits) in enumerate(entries):
+            if logits and sampler is not None:
+                picked.append((seq, int(L.llama_sampler_sample(sampler, ctx, j))))
+            elif logits:
+                row = ctypes.cast(L.llama_get_logits_ith(ctx, j), ctypes.POINTER(ctypes.c_float))
+                picked.append((seq, int(np.ctypeslib.as_array(row, (n_vocab,)).argmax())))
+        return picked
+
+    try:
+        counts = [0] * n
+        last, pos = [0] * n, [len(p) for p in prompts]
+        marks: list[tuple[float, int, int]] = []
+        start = c.now()
+        pending = [(tok, i, s, i == len(p) - 1) for s, p in enumerate(prompts)
+                   for i, tok in enumerate(p)]
+        for at in range(0, len(pending), 512):
+            for seq, token in decode(pending[at:at + 512]):
+                last[seq], counts[seq] = token, 1
+            marks.append((c.now(), sum(1 for k in counts if k), sum(counts)))
+        while min(counts) < max_tokens:
+            step = [(last[s], pos[s], s, True) for s in range(n) if counts[s] < max_tokens]
+            for seq, token in decode(step):
+                last[seq] = token
+                pos[seq] += 1
+                counts[seq] += 1
+            marks.append((c.now(), n, sum(counts)))
+        return stream_rates(start, marks, n)
+    finally:
+        if sampler is not None:
+            L.llama_sampler_free(sampler)
+        L.llama_batch_free(batch)
+        L.llama_free(ctx)
 
 
 def child_load_llama_cpp(spec: dict[str, Any]) -> dict[str, Any]:
@@ -272,6 +500,13 @@ def child_load_llama_cpp(spec: dict[str, Any]) -> dict[str, Any]:
     out = {"load_s": round(c.now() - start, 3), "load_peak_rss_gib": peak_rss_gib()}
     if spec.get("run"):
         out.update(_child_measure(bl.llama_cpp_runner(llm), spec))
+    if spec.get("streams"):
+        streams = spec["streams"]
+        temperature = streams["temperature"]
+        llama_cpp_streams(llm, streams["warmup"], 4, spec["threads"], temperature)
+        out["streams"] = llama_cpp_streams(llm, streams["prompts"], streams["max_tokens"],
+                                           spec["threads"], temperature)
+        out["streams_peak_rss_gib"] = peak_rss_gib()
     return out
 
 
@@ -323,26 +558,36 @@ def empty_prepared_cache(parent: Path) -> Iterator[Path]:
 
 def loom_mode_row(args: argparse.Namespace, path: Path, mode: str,
                   work: dict[str, Any], threads_env: dict[str, str]) -> dict[str, Any]:
-    """First load (empty prepared cache), warm load plus TTFT/decode, prepared bytes."""
+    """First load (empty prepared cache), warm load plus TTFT/decode, prepared bytes. With
+    `work["cold"]` (the mixtures of experts) the page cache is dropped before the first load,
+    so it reads the file from disk; with `work["streams"]` the warm process also runs that
+    many concurrent streams."""
     spec = {"path": str(path), "mode": mode, "dtype": args.dtype, "device": args.device}
     with empty_prepared_cache(args.cache_dir) as cache:
         env = {**threads_env, "LOOM_CACHE_DIR": str(cache), "LOOM_PREPARED_CACHE": "1"}
-        c.log(f"  loom {mode}: first load (empty prepared cache) ...")
+        cold = bool(work.get("cold")) and drop_page_cache()
+        c.log(f"  loom {mode}: first load (empty prepared cache"
+              f"{', page cache dropped' if cold else ''}) ...")
         first = run_child("load-loom", spec, env)
         files = sorted(p for p in (cache / "prepared").rglob("*") if p.is_file())
         prepared = sum(p.stat().st_size for p in files)
-        read = prepared_read_bytes([p for p in files if p.suffix == ".safetensors"])
+        read = prepared_read_bytes([p for p in files if p.suffix == ".safetensors"],
+                                   work.get("expert_fraction", 1.0))
         c.log(f"  loom {mode}: first load {first['load_s']:.2f} s, peak "
               f"{first['load_peak_rss_gib']:.2f} GiB, prepared {prepared / GIB:.2f} GiB; "
               "warm load and measurement ...")
-        warm = run_child("load-loom", {**spec, "run": work}, env)
+        warm_spec = {**spec, "run": work}
+        if work.get("streams"):
+            warm_spec["streams"] = work["streams"]
+        warm = run_child("load-loom", warm_spec, env)
     c.log(f"  {loom_label(mode, warm['resolved'])}: warm load {warm['load_s']:.2f} s, TTFT "
-          f"{warm['ttft_ms']:.0f} ms, decode {warm['decode_tok_s']:.2f} tok/s")
+          f"{warm['ttft_ms']:.0f} ms, decode {warm['decode_tok_s']:.2f} tok/s"
+          + _streams_log(warm))
     return {
         "engine": "loom", "mode": mode, "resolved": warm["resolved"], "dtype": warm["dtype"],
         "mode_summary": warm["mode_summary"],
         "first_load_s": first["load_s"], "first_load_rss_gib": first["load_peak_rss_gib"],
-        "first_process_s": first["process_s"],
+        "first_process_s": first["process_s"], "first_load_cold": cold,
         "warm_load_s": warm["load_s"], "warm_load_rss_gib": warm["load_peak_rss_gib"],
         "prepared_bytes": prepared, "prepared_files": [p.name for p in files],
         "read_bytes_per_token": read, "read_bytes_source": "prepared tensors",
@@ -352,19 +597,50 @@ def loom_mode_row(args: argparse.Namespace, path: Path, mode: str,
 
 def llama_cpp_row(args: argparse.Namespace, path: Path, work: dict[str, Any],
                   read_bytes: int) -> dict[str, Any]:
-    """llama.cpp's load (time, peak RSS) and TTFT/decode in one fresh process."""
+    """llama.cpp's load (time, peak RSS) and TTFT/decode in one fresh process. With
+    `work["cold"]` a first process only loads, after the page cache is dropped (the file read
+    from disk: llama.cpp maps it with MAP_POPULATE), and a second loads again (warm) and
+    measures; with `work["streams"]` that one also runs the concurrent streams."""
     n_ctx = work["prompt_len"] + work["max_tokens"] + 64
     spec = {"path": str(path), "n_ctx": n_ctx, "threads": args.threads, "run": work}
-    c.log("  llama.cpp: load and measurement ...")
+    first = None
+    if work.get("cold"):
+        cold = drop_page_cache()
+        c.log(f"  llama.cpp: first load{' (page cache dropped)' if cold else ''} ...")
+        first = run_child("load-llama", {**spec, "run": None})
+        first["cold"] = cold
+        c.log(f"  llama.cpp: first load {first['load_s']:.2f} s, peak "
+              f"{first['load_peak_rss_gib']:.2f} GiB; warm load and measurement ...")
+        if work.get("streams"):
+            spec["streams"] = work["streams"]
+    else:
+        c.log("  llama.cpp: load and measurement ...")
     got = run_child("load-llama", spec)
     c.log(f"  llama.cpp: load {got['load_s']:.2f} s, TTFT {got['ttft_ms']:.0f} ms, decode "
-          f"{got['decode_tok_s']:.2f} tok/s")
+          f"{got['decode_tok_s']:.2f} tok/s" + _streams_log(got))
+    if first is None:
+        return {
+            "engine": "llama.cpp", "first_load_s": got["load_s"],
+            "first_load_rss_gib": got["load_peak_rss_gib"], "first_process_s": got["process_s"],
+            "read_bytes_per_token": read_bytes, "read_bytes_source": "GGUF tensor bytes",
+            **_run_part(got),
+        }
     return {
-        "engine": "llama.cpp", "first_load_s": got["load_s"],
-        "first_load_rss_gib": got["load_peak_rss_gib"], "first_process_s": got["process_s"],
+        "engine": "llama.cpp", "first_load_s": first["load_s"],
+        "first_load_rss_gib": first["load_peak_rss_gib"],
+        "first_process_s": first["process_s"], "first_load_cold": first["cold"],
+        "warm_load_s": got["load_s"], "warm_load_rss_gib": got["load_peak_rss_gib"],
         "read_bytes_per_token": read_bytes, "read_bytes_source": "GGUF tensor bytes",
         **_run_part(got),
     }
+
+
+def _streams_log(got: dict[str, Any]) -> str:
+    streams = got.get("streams")
+    if not streams:
+        return ""
+    return (f", {streams['streams']} streams {streams['decode_total_tok_s']:.2f} tok/s in all "
+            f"(decode; {streams['overall_tok_s']:.2f} with the prefills)")
 
 
 def loom_label(mode: str, resolved: str) -> str:
@@ -374,20 +650,42 @@ def loom_label(mode: str, resolved: str) -> str:
 
 def _run_part(got: dict[str, Any]) -> dict[str, Any]:
     keys = ("ttft_ms", "decode_tok_s", "ttft_ms_all", "decode_tok_s_all", "run_peak_rss_gib")
-    return {k: got[k] for k in keys}
+    part = {k: got[k] for k in keys}
+    for key in ("streams", "streams_peak_rss_gib"):
+        if key in got:
+            part[key] = got[key]
+    return part
 
 
-def add_limits(rows: dict[str, dict[str, Any]], bandwidth_gb_s: float) -> None:
+def add_limits(rows: dict[str, dict[str, Any]], bandwidth_gb_s: float,
+               cold_read_s: float | None = None) -> None:
     """Each row's tok/s limit (bandwidth / bytes per token), its decode share of it, and the
-    Loom rows' ratios to llama.cpp."""
+    Loom rows' ratios to llama.cpp; where measured, the concurrent streams' total over one
+    stream's decode, and the first load over the time to read the file from disk."""
     peer = rows.get("llama.cpp")
     for label, row in rows.items():
         limit = c.ratio(bandwidth_gb_s * 1e9, row["read_bytes_per_token"])  # None: no bytes
         row["limit_tok_s"] = limit
         row["decode_share_of_limit"] = c.ratio(row["decode_tok_s"], limit)
+        streams = row.get("streams")
+        if streams:
+            row["streams_over_one_stream"] = c.ratio(streams["decode_total_tok_s"],
+                                                     row["decode_tok_s"])
+        if cold_read_s:
+            row["first_load_over_cold_read"] = c.ratio(row["first_load_s"], cold_read_s)
         if peer is not None and label != "llama.cpp":
             row["decode_over_llama_cpp"] = c.ratio(row["decode_tok_s"], peer["decode_tok_s"])
             row["ttft_over_llama_cpp"] = c.ratio(row["ttft_ms"], peer["ttft_ms"])
+            if cold_read_s is not None:  # the mixtures of experts: the other ratios too
+                row["run_rss_over_llama_cpp"] = c.ratio(row["run_peak_rss_gib"],
+                                                        peer["run_peak_rss_gib"])
+                row["first_load_rss_over_llama_cpp"] = c.ratio(row["first_load_rss_gib"],
+                                                               peer["run_peak_rss_gib"])
+                row["first_load_over_llama_cpp"] = c.ratio(row["first_load_s"],
+                                                           peer["first_load_s"])
+                if streams and peer.get("streams"):
+                    row["streams_over_llama_cpp"] = c.ratio(
+                        streams["decode_total_tok_s"], peer["streams"]["decode_total_tok_s"])
 
 
 def measure_size(args: argparse.Namespace, size: str, work_sizes: dict[str, Any],
@@ -406,6 +704,26 @@ def measure_size(args: argparse.Namespace, size: str, work_sizes: dict[str, Any]
                     for r in range(repeats)],
         "warmup": c.prompt_token_ids(tokenizer, 32, seed=1),
     }
+    moe: dict[str, Any] = {}
+    if is_moe(size):
+        shape = MOE_SHAPES[size]
+        experts, used = gguf_experts(path)
+        moe = {"arch": shape.arch, "layers": shape.layers, "full_layers": shape.full_layers,
+               "layer_cut": layer_cut(shape), "experts": experts, "experts_used": used,
+               "expert_ffn": shape.expert_ffn, "vocab": gguf_vocab(path)}
+        n, length = args.streams, args.stream_prompt_len
+        work["cold"] = True
+        work["expert_fraction"] = used / experts
+        work["streams"] = {
+            "prompts": [c.prompt_token_ids(tokenizer, length, seed=7000 + s) for s in range(n)],
+            "warmup": [c.prompt_token_ids(tokenizer, 16, seed=8000 + s) for s in range(n)],
+            "max_tokens": work_sizes["max_tokens"], "prompt_len": length,
+            "temperature": args.stream_temperature}
+        c.log(f"  cold read of {path.name} ...")
+        moe["cold_read"] = cold_read(path)
+        c.log(f"  cold read: {moe['cold_read']['s']:.1f} s "
+              f"({moe['cold_read']['gb_s']:.2f} GB/s, page cache dropped: "
+              f"{moe['cold_read']['page_cache_dropped']})")
     threads_env = {"OMP_NUM_THREADS": str(args.threads)}
     rows: dict[str, dict[str, Any]] = {}
     for mode in args.loom_modes:
@@ -422,10 +740,13 @@ def measure_size(args: argparse.Namespace, size: str, work_sizes: dict[str, Any]
             rows["llama.cpp"] = llama_cpp_row(args, path, work, read)
         except (RuntimeError, KeyError, OSError) as exc:
             c.skip(f"{size_label(size)} llama.cpp: skipped (failed: {exc})")
-    add_limits(rows, bandwidth_gb_s)
-    return {"file": str(path), "written": how_written(size), "file_bytes": path.stat().st_size,
-            "tensor_bytes": total,
-            "gguf_read_bytes_per_token": read, "engines": rows}
+    add_limits(rows, bandwidth_gb_s, moe["cold_read"]["s"] if moe else None)
+    out = {"file": str(path), "written": how_written(size), "file_bytes": path.stat().st_size,
+           "tensor_bytes": total,
+           "gguf_read_bytes_per_token": read, "engines": rows}
+    if moe:
+        out["moe"] = moe
+    return out
 
 
 def choose_sizes(args: argparse.Namespace) -> list[str]:
@@ -433,6 +754,8 @@ def choose_sizes(args: argparse.Namespace) -> list[str]:
     8B with --with-8b when memory allows (skipped, and said so, otherwise)."""
     sizes = list(dict.fromkeys(args.sizes)) if args.sizes else list(
         QUICK_SIZES if args.quick else DEFAULT_SIZES)
+    if any(is_moe(s) for s in sizes):  # a run of the mixtures of experts: no 8B note
+        return sizes
     available = available_memory_gb()
     if BIG_SIZE in sizes:
         if available < BIG_MIN_AVAILABLE_GB:
@@ -456,8 +779,20 @@ def main() -> None:
     parser.add_argument("--with-8b", action="store_true",
                         help=f"also run {BIG_SIZE} when at least {BIG_MIN_AVAILABLE_GB:.0f} GB "
                              "of memory is available")
-    parser.add_argument("--loom-modes", nargs="+", default=["auto", "w8a8+kv16"],
-                        help="Loom modes (common.loom_mode_kwargs; auto = the engine default)")
+    parser.add_argument("--loom-modes", nargs="+", default=None,
+                        help="Loom modes (common.loom_mode_kwargs; auto = the engine default); "
+                             "default: auto w8a8+kv16 (mixtures of experts: auto)")
+    parser.add_argument("--streams", type=int, default=8,
+                        help="mixtures of experts: concurrent streams measured in one engine")
+    parser.add_argument("--stream-prompt-len", type=int, default=64,
+                        help="mixtures of experts: each concurrent stream's prompt tokens")
+    parser.add_argument("--stream-temperature", type=float, default=1.0,
+                        help="mixtures of experts: the concurrent streams' sampling "
+                             "temperature (0: greedy; see the doc section)")
+    parser.add_argument("--moe-layers", type=int, default=None,
+                        help="mixtures of experts: layers written (default: each shape's cut, "
+                             + ", ".join(f"{k} {layer_cut(v)}" for k, v in MOE_SHAPES.items())
+                             + ")")
     parser.add_argument("--prompt-len", type=int, default=512, help="TTFT prompt tokens")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="greedy tokens decoded (64; --quick: 16)")
@@ -468,11 +803,24 @@ def main() -> None:
     if args.child:
         return child_main(args.child)
     if args.doc_only:
-        return c.rerender(NAME, TITLE, render)
+        c.rerender(NAME, TITLE, render)
+        if (c.RESULTS_DIR / f"{NAME_MOE}.json").is_file():
+            c.rerender(NAME_MOE, TITLE_MOE, render_moe)
+        return None
     args.cache_dir = args.cache_dir.expanduser()
     max_tokens = args.max_tokens or (16 if args.quick else 64)
     repeats = args.repeats or (1 if args.quick else 3)
     sizes = choose_sizes(args)
+    moe = [s for s in sizes if is_moe(s)]
+    if moe and len(moe) != len(sizes):
+        raise SystemExit("--sizes: run the mixtures of experts "
+                         f"({', '.join(MOE_SHAPES)}) in a run of their own")
+    name, title, render_fn = (NAME_MOE, TITLE_MOE, render_moe) if moe else (NAME, TITLE, render)
+    if args.moe_layers:
+        for size in moe:
+            MOE_SHAPES[size] = with_layers(MOE_SHAPES[size], args.moe_layers)
+    if args.loom_modes is None:
+        args.loom_modes = ["auto"] if moe else ["auto", "w8a8+kv16"]
     if args.no_hf:
         c.log("(--no-hf: this benchmark runs no transformers peer)")
 
@@ -490,15 +838,24 @@ def main() -> None:
     args.model = ", ".join(size_label(s) for s in sizes) + (
         f" (random weights, {GGUF_TYPE.upper()}: benchmarks/random_gguf.py)"
         if random else "")
+    if moe:
+        args.model = ", ".join(f"{s} ({layer_cut(MOE_SHAPES[s])})" for s in sizes) + (
+            f" (random weights, {GGUF_TYPE.upper()}'s mix: benchmarks/random_moe_gguf.py)")
     sizes_note = (f"prompt {args.prompt_len} tokens, {max_tokens} greedy tokens, median of "
                   f"{repeats} distinct prompts; Loom modes {' '.join(args.loom_modes)}; "
                   f"{args.threads} threads")
-    result = c.header(NAME, args, dtype=", ".join(sorted(dtypes)) or args.dtype,
+    if moe:
+        sizes_note += (f"; {args.streams} concurrent streams of {args.stream_prompt_len}-token "
+                       f"prompts, {max_tokens} tokens each, temperature "
+                       f"{args.stream_temperature:g}")
+    result = c.header(name, args, dtype=", ".join(sorted(dtypes)) or args.dtype,
                       sizes_note=sizes_note, sizes=[size_label(s) for s in sizes],
                       loom_modes=args.loom_modes, prompt_len=args.prompt_len,
                       max_tokens=max_tokens, repeats=repeats, threads=args.threads,
-                      bandwidth=bandwidth, results=results)
-    c.finish(NAME, TITLE, result, render, args.no_doc)
+                      bandwidth=bandwidth, results=results,
+                      **({"streams": args.streams, "stream_prompt_len": args.stream_prompt_len,
+                          "stream_temperature": args.stream_temperature} if moe else {}))
+    c.finish(name, title, result, render_fn, args.no_doc)
 
 
 def render(result: dict[str, Any]) -> str:
@@ -550,6 +907,120 @@ def _separate_runs(result: dict[str, Any]) -> str:
              for size, s in result["results"].items()
              if (run := s.get("separate_run")) is not None]
     return "".join(notes)
+
+
+# Issue 45's targets (set for the Qwen3-30B-A3B shape): (what, the Loom row's value of a
+# size's result, bound, whether the value must be at least the bound, else at most).
+MOE_TARGETS: list[tuple[str, Any, float, bool]] = [
+    ("decode, one stream, over llama.cpp's", lambda r: r.get("decode_over_llama_cpp"), 1.3,
+     True),
+    ("8 streams' total decode tok/s over one stream's",
+     lambda r: r.get("streams_over_one_stream"), 3.0, True),
+    ("TTFT (512) over llama.cpp's", lambda r: r.get("ttft_over_llama_cpp"), 0.8, False),
+    ("peak RSS (warm process after the run) over llama.cpp's",
+     lambda r: r.get("run_rss_over_llama_cpp"), 1.1, False),
+    ("first load over the time to read the file from disk",
+     lambda r: r.get("first_load_over_cold_read"), 2.0, False),
+]
+
+
+def render_moe(result: dict[str, Any]) -> str:
+    """The mixtures of experts' doc section: speed, loads and memory, and the targets."""
+    speed, loads, targets = [], [], []
+    n = result.get("streams", 8)
+    for size, per_size in result["results"].items():
+        moe = per_size["moe"]
+        model = f"{size} ({moe['layer_cut']})"
+        cold = moe["cold_read"]
+        for label, r in per_size["engines"].items():
+            streams = r.get("streams") or {}
+            speed.append([
+                model, label, r["decode_tok_s"], streams.get("decode_total_tok_s"),
+                r.get("streams_over_one_stream"), streams.get("overall_tok_s"), r["ttft_ms"],
+                r["read_bytes_per_token"] / GIB, r["limit_tok_s"], r["decode_share_of_limit"],
+                r.get("decode_over_llama_cpp"), r.get("streams_over_llama_cpp"),
+                r.get("ttft_over_llama_cpp"),
+            ])
+            prepared = r.get("prepared_bytes")
+            loads.append([
+                model, label, per_size["file_bytes"] / GIB, cold["s"], r["first_load_s"],
+                r.get("first_load_over_cold_read"), r.get("warm_load_s"),
+                r["first_load_rss_gib"], r.get("warm_load_rss_gib"), r["run_peak_rss_gib"],
+                r.get("streams_peak_rss_gib"),
+                None if prepared is None else prepared / GIB,
+                r.get("run_rss_over_llama_cpp"),
+            ])
+            if label == "llama.cpp":
+                continue
+            for what, value_of, bound, at_least in MOE_TARGETS:
+                value = value_of(r)
+                met = None if value is None else (value >= bound if at_least else value <= bound)
+                targets.append([model, label, what, f"{'≥' if at_least else '≤'} {bound}",
+                                value, {None: "not measured", True: "met",
+                                        False: "not met"}[met]])
+    speed_table = c.markdown_table(
+        ["model", "engine", "decode tok/s (1 stream)", f"{n} streams: total decode tok/s",
+         f"{n} streams / 1", f"{n} streams: tok/s with prefills",
+         f"TTFT ms ({result['prompt_len']})", "read/token GiB", "limit tok/s",
+         "decode / limit", "decode Loom/llama.cpp", f"{n} streams Loom/llama.cpp",
+         "TTFT Loom/llama.cpp"], speed)
+    load_table = c.markdown_table(
+        ["model", "engine", "file GiB", "cold read s", "first load s",
+         "first load / cold read", "warm load s", "first load peak RSS GiB",
+         "warm load peak RSS GiB", "peak RSS after run GiB", f"peak RSS after {n} streams GiB",
+         "prepared GiB", "peak RSS Loom/llama.cpp"], loads)
+    target_table = c.markdown_table(["model", "engine", "target", "bound", "measured", ""],
+                                    targets)
+    bw = result["bandwidth"]
+    files = "".join(
+        f"\n- {size}: {s.get('written', '?')}, {s['file_bytes'] / GIB:.2f} GiB; "
+        f"{s['moe']['experts']} experts, {s['moe']['experts_used']} a token, expert width "
+        f"{s['moe']['expert_ffn']}; vocabulary {s['moe']['vocab']:,} (SmolLM2's tokenizer); "
+        f"cold read {s['moe']['cold_read']['s']:.1f} s ({s['moe']['cold_read']['gb_s']:.2f} "
+        f"GB/s, page cache dropped: {s['moe']['cold_read']['page_cache_dropped']})"
+        for size, s in result["results"].items())
+    return (
+        f"Speed:\n\n{speed_table}\n\nLoads and memory:\n\n{load_table}\n\n"
+        f"Issue 45's targets (set for the Qwen3-30B-A3B shape; the Mixtral rows are "
+        f"measured against the same bounds for reference):\n\n{target_table}\n\n"
+        f"Files:\n{files}\n\n"
+        "Each layer has its model's real sizes; only the layer count is cut (\"N of M "
+        "layers\"), so a decode step's per-layer work is the real one and the whole-model "
+        "figures (tok/s, TTFT, file, memory) are those of the cut model. The tokenizer (and so "
+        "the embedding and output head) is SmolLM2's 49,152 tokens, not the model's own. "
+        f"Read bandwidth {bw['gb_s']:.1f} GB/s (`torch.ones(N).sum()` over {bw['mib']} MiB, "
+        f"{bw['threads']} threads, best of 5, in this run); limit tok/s = bandwidth / bytes "
+        "read per token, where a token reads the attention, router, norms and output head in "
+        "full and experts_used / experts of every expert tensor (for llama.cpp the GGUF's "
+        "bytes, for Loom its prepared tensors). The probe is a torch reduction on 2 "
+        "threads, not the most this host's memory gives: a decode / limit above 1 means the "
+        "engine read its bytes faster than the probe did. "
+        f"{n} streams: {n} requests of {result.get('stream_prompt_len', '?')}-token prompts "
+        f"submitted at once, {result['max_tokens']} tokens each, sampled at temperature "
+        f"{result.get('stream_temperature', 0):g} with a seed (0: greedy). Greedy decoding of "
+        "random weights can fall into one token repeated in every stream, whose steps would "
+        "then share their experts: sampled streams make different tokens and so route as "
+        "real text does, each step reading the union of the streams' experts (the "
+        "one-stream rows are greedy: one stream reads the same bytes a token either way). "
+        "Total decode tok/s "
+        "counts the tokens made after every stream has its first token, over the time from "
+        "then to the last token (\"with prefills\" divides every token by the time from "
+        "submission). Loom runs them in one engine (`add_request` eight times, then `step`); "
+        "llama.cpp in one context with `n_seq_max` = 8 through llama-cpp-python's low-level "
+        "API (`llama_batch` with one token of every sequence per `llama_decode`, its own "
+        "sampler chain: temperature, then `dist`), as its `batched` example and its "
+        "server's parallel slots run them. The one-stream decode follows a 512-token prompt, "
+        "the streams' a short one. "
+        "Cold read: the page cache dropped (`sync; echo 3 > /proc/sys/vm/drop_caches`, as "
+        "root), then the file read once in 16 MiB reads (as `cat file > /dev/null`). Each "
+        "engine's first load starts with the page cache dropped the same way, so it reads "
+        "the file from disk: Loom's also has an empty prepared-weights cache and writes it "
+        "(\"prepared GiB\"); llama.cpp maps the file with MAP_POPULATE. Each warm load is a "
+        "fresh process with the file (and Loom's prepared cache) in the page cache, and it "
+        "runs the measurements; peak RSS is the process's VmHWM (imports included; mapped "
+        "file pages count once read). Decode Loom/llama.cpp above 1 and TTFT Loom/llama.cpp "
+        f"below 1 favour Loom.{_separate_runs(result)}{c.skip_notes_md(result)}"
+    )
 
 
 if __name__ == "__main__":
