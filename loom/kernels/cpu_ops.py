@@ -296,7 +296,7 @@ def w4a8_pack(raw: torch.Tensor, type_id: int, n: int, k: int) -> torch.Tensor:
     block_bytes, block_values = GGUF_C_BLOCK_TYPES[type_id]
     if raw.numel() != n * k // block_values * block_bytes:
         raise ValueError(f"{raw.numel()} bytes are not a [{n}, {k}] tensor of type {type_id}")
-    out = torch.zeros(w4a8_packed_shape(type_id, n, k), dtype=torch.uint8)
+    out = torch.empty(w4a8_packed_shape(type_id, n, k), dtype=torch.uint8)  # every byte set
     if _lib().loom_w4a8_pack(type_id, raw.data_ptr(), n, k, out.data_ptr()) != 0:
         raise ValueError(f"w4a8 cannot pack type {type_id}")
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -156,16 +157,40 @@ def iter_gguf_weights(
     InvalidModelError names a tensor whose expert count is not the file's."""
     arch = gguf_architecture(reader)
     experts = int(config.get("num_experts") or 0)
-    for tensor in reader.tensors:
+    for at, tensor in enumerate(reader.tensors):
         hf_name = gguf_to_hf_name(arch, tensor.name)
         if hf_name is None:
             continue
+        if at + 1 < len(reader.tensors):  # read from disk while this one is converted
+            reader.prefetch(reader.tensors[at + 1])
         raw = reader.tensor_data(tensor)
-        for piece_name, piece, shape in _pieces(tensor, hf_name, raw, experts):
-            yield from _piece_weights(reader, tensor, arch, config, piece_name, piece, shape,
+        owned = _OwnedCopy(reader, tensor)
+        for index, (piece_name, piece, shape) in enumerate(
+                _pieces(tensor, hf_name, raw, experts)):
+            yield from _piece_weights(tensor, arch, config, piece_name, piece, shape,
+                                      owned.piece(index if piece is not raw else None),
                                       dtype, select, keep_blocks)
-        del raw
+        del raw, owned
         reader.release(tensor)  # its values are copied out (or its blocks, or nothing)
+
+
+class _OwnedCopy:
+    """A tensor's data read once into owned memory (`GGUFFile.read_tensor`) when the first
+    of its pieces asks for its blocks; each piece is a view of it (an expert's slab)."""
+
+    def __init__(self, reader: GGUFFile, tensor: GGUFTensorInfo) -> None:
+        self._reader, self._tensor = reader, tensor
+        self._data: np.ndarray | None = None
+
+    def piece(self, index: int | None) -> Callable[[], np.ndarray]:
+        """The owned data of piece `index` of the tensor (None: the whole tensor)."""
+
+        def get() -> np.ndarray:
+            if self._data is None:
+                self._data = self._reader.read_tensor(self._tensor)
+            return self._data if index is None else self._data[index]
+
+        return get
 
 
 def _pieces(tensor: GGUFTensorInfo, hf_name: str, raw: np.ndarray, experts: int,
@@ -189,20 +214,22 @@ def _pieces(tensor: GGUFTensorInfo, hf_name: str, raw: np.ndarray, experts: int,
 
 
 def _piece_weights(
-    reader: GGUFFile, tensor: GGUFTensorInfo, arch: str, config: dict[str, Any],
-    hf_name: str, raw: np.ndarray, shape: tuple[int, ...], dtype: torch.dtype | None,
-    select: WeightSelector | None, keep_blocks: BlocksHook | None,
+    tensor: GGUFTensorInfo, arch: str, config: dict[str, Any], hf_name: str,
+    raw: np.ndarray, shape: tuple[int, ...], owned: Callable[[], np.ndarray],
+    dtype: torch.dtype | None, select: WeightSelector | None, keep_blocks: BlocksHook | None,
 ) -> WeightIterator:
-    """The (hf_name, tensor) `iter_gguf_weights` yields for one piece of a file tensor."""
+    """The (hf_name, tensor) `iter_gguf_weights` yields for one piece of a file tensor:
+    `raw` its mapped data (what dequantising reads), `owned()` a copy of it this process
+    owns (what kept blocks become)."""
     rule = select(hf_name) if select is not None else None
     permuted = arch in GGUF_PERMUTED_QK and hf_name.endswith(("q_proj.weight", "k_proj.weight"))
     if keep_blocks is not None and len(shape) == 2 and raw.dtype == np.uint8 \
             and tensor.qtype.name not in _FLOAT_TYPES:
 
-        def blocks(raw: np.ndarray = raw, rows: int = int(shape[0]),
+        def blocks(rows: int = int(shape[0]),
                    heads: str | None = _qk_heads_key(hf_name) if permuted else None,
                    ) -> torch.Tensor:
-            copy = torch.from_numpy(np.array(raw, copy=True).reshape(rows, -1))
+            copy = torch.from_numpy(owned().reshape(rows, -1))
             if heads is None:
                 return copy
             return _unpermute_qk(copy, int(config[heads])).contiguous()

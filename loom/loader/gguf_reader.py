@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,6 +234,34 @@ class GGUFFile:
         end = min(self.size, info.offset + info.nbytes)
         with contextlib.suppress(OSError, ValueError):  # advice is only advice
             mapped.madvise(advice, start, end - start)
+
+    def prefetch(self, info: GGUFTensorInfo) -> None:
+        """Ask the kernel to start reading a tensor's data into the page cache in the
+        background (a loader prefetches the next tensor while it converts this one)."""
+        advice = getattr(os, "POSIX_FADV_WILLNEED", None)
+        if advice is None or info.nbytes == 0:
+            return
+        with contextlib.suppress(OSError), open(self.path, "rb", buffering=0) as f:
+            os.posix_fadvise(f.fileno(), info.offset, info.nbytes, advice)
+
+    def read_tensor(self, info: GGUFTensorInfo) -> np.ndarray:
+        """A copy of a tensor's data in memory this process owns (writable), in
+        `tensor_data`'s layout, read with the file's read calls: one pass at the disk's (or
+        the page cache's) speed, where copying from the mapping takes a page fault every 4
+        KiB (measured: 15 s of a 6.6 GB first load, against 3.5 s to read the file cold)."""
+        out = np.empty(info.nbytes, dtype=np.uint8)
+        view, done = memoryview(out), 0
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(info.offset)
+            while done < info.nbytes:
+                got = f.readinto(view[done:])
+                if not got:
+                    raise InvalidModelError(
+                        f"{self.path}: tensor {info.name!r} ends past the end of the file")
+                done += got
+        if info.qtype in _PLAIN_TENSORS:
+            return out.view(np.dtype(_PLAIN_TENSORS[info.qtype])).reshape(info.shape)
+        return out.reshape(quant_shape_to_byte_shape(info.shape, info.qtype))
 
     def tensor_data(self, info: GGUFTensorInfo) -> np.ndarray:
         """The raw (read-only, memory-mapped) data in the layout `gguf.quants.dequantize` takes."""

@@ -81,12 +81,23 @@ static inline int64_t w4_record_k(int64_t type) { return w4_is_b32(type) ? QBLOC
  * same float arithmetic; their q differ in width and packing. */
 static inline int w4_has_mins(int64_t type) { return type == W4_Q4K || type == W4_Q5K; }
 
-/* The q values (0..15 or 0..63) and scales of one file super-block of one row. */
-static void w4_decode_q4k(const uint8_t *b, float *d, float *dmin, uint8_t sc[8],
-                          uint8_t mn[8], uint8_t q[256]) {
+/* The scales of one file Q4_K super-block of one row, and its nibbles written straight into
+ * column c's lo area of record r (no per-value decode: the first load packs billions of
+ * them). Block j's k = 8 v + i and 8 v + 4 + i (i < 4) are nibbles of file byte 32 * (j / 2)
+ * + 8 v + i and + 4, in the half j % 2 (q4_k_value). */
+static void w4_pack_q4k(const uint8_t *b, float *d, float *dmin, uint8_t sc[8],
+                        uint8_t mn[8], uint8_t *r, int c) {
     *d = f16_to_f32(b), *dmin = f16_to_f32(b + 2);
     k_scale_min(b + 4, sc, mn);
-    for (int o = 0; o < 256; o++) q[o] = (uint8_t)q4_k_value(b, o);
+    for (int j = 0; j < 8; j++) {
+        const uint8_t *src = b + 16 + 32 * (j / 2);
+        const int shift = 4 * (j % 2);
+        uint8_t *lo = r + 192 + j * 128 + c * 4;
+        for (int v = 0; v < 4; v++)
+            for (int i = 0; i < 4; i++)
+                lo[v * 32 + i] = (uint8_t)(((src[8 * v + i] >> shift) & 0x0F) |
+                                           (((src[8 * v + 4 + i] >> shift) & 0x0F) << 4));
+    }
 }
 
 /* Q5_K's five-bit value of element o of a block: the four low bits as Q4_K's, the fifth is
@@ -104,8 +115,20 @@ static void w4_decode_q5k(const uint8_t *b, float *d, float *dmin, uint8_t sc[8]
     for (int o = 0; o < 256; o++) q[o] = (uint8_t)q5_k_value(b, o);
 }
 
+/* Q6_K's 256 values of one super-block (q6_k_value for every o, by file byte: each ql byte
+ * holds two values 64 apart, each qh byte the high bits of four 32 apart). */
 static void w4_decode_q6k(const uint8_t *b, float *d, int8_t sc[16], uint8_t q[256]) {
-    for (int o = 0; o < 256; o++) q[o] = (uint8_t)q6_k_value(b, o);
+    const uint8_t *ql = b, *qh = b + 128;
+    for (int half = 0; half < 2; half++)
+        for (int l = 0; l < 32; l++) {
+            const int h = qh[32 * half + l];
+            const int a = ql[64 * half + l], e = ql[64 * half + 32 + l];
+            uint8_t *o = q + 128 * half + l;
+            o[0] = (uint8_t)((a & 0x0F) | ((h & 3) << 4));
+            o[32] = (uint8_t)((e & 0x0F) | (((h >> 2) & 3) << 4));
+            o[64] = (uint8_t)((a >> 4) | (((h >> 4) & 3) << 4));
+            o[96] = (uint8_t)((e >> 4) | (((h >> 6) & 3) << 4));
+        }
     memcpy(sc, b + 192, 16);
     *d = f16_to_f32(b + 208);
 }
@@ -136,8 +159,9 @@ static inline int w4_lo_shift(int kk) { return 4 * ((kk / 4) % 2); }
 static inline int w4_byte_at(int c, int kk) { return (kk / 4) * 32 + c * 4 + kk % 4; }
 
 /* raw: the file's blocks of a [n, k] tensor (rows of k / 256 super-blocks, or k / 32 blocks);
- * out: the packed layout above, or the blocks of 32's below (zeroed by the caller). Returns
- * 0, or -1 for another type or a k that is not a multiple of the type's block. */
+ * out: the packed layout above, or the blocks of 32's below (every byte written: each record is
+ * zeroed, then filled). Returns 0, or -1 for another type or a k that is not a multiple of the
+ * type's block. */
 LOOM_EXPORT int64_t loom_w4a8_pack(int64_t type, const uint8_t *raw, int64_t n, int64_t k,
                                    uint8_t *out) {
     const int64_t rec = w4_record_bytes(type), rk = w4_record_k(type);
@@ -151,6 +175,7 @@ LOOM_EXPORT int64_t loom_w4a8_pack(int64_t type, const uint8_t *raw, int64_t n, 
     for (int64_t g = 0; g < groups; g++)
         for (int64_t s = 0; s < nsb; s++) {
             uint8_t *r = out + (g * nsb + s) * rec;
+            memset(r, 0, (size_t)rec); /* nibbles are OR-ed in; padding columns stay 0 */
             for (int c = 0; c < COLS && g * COLS + c < n; c++) {
                 const uint8_t *b = raw + ((g * COLS + c) * nsb + s) * src_bytes;
                 uint8_t q[256];
@@ -169,24 +194,20 @@ LOOM_EXPORT int64_t loom_w4a8_pack(int64_t type, const uint8_t *raw, int64_t n, 
                 } else if (w4_has_mins(type)) {
                     uint8_t sc[8], mn[8];
                     float dmin;
-                    if (type == W4_Q4K)
-                        w4_decode_q4k(b, &d, &dmin, sc, mn, q);
-                    else
+                    if (type == W4_Q4K) {
+                        w4_pack_q4k(b, &d, &dmin, sc, mn, r, c);
+                    } else {
                         w4_decode_q5k(b, &d, &dmin, sc, mn, q);
+                        for (int t = 0; t < 64; t++) memcpy(r + 192 + t * 32 + c * 4, q + 4 * t, 4);
+                    }
                     memcpy(r + 32 + 4 * c, &dmin, 4);
                     for (int j = 0; j < 8; j++) r[64 + j * 8 + c] = sc[j], r[128 + j * 8 + c] = mn[j];
-                    for (int kk = 0; kk < 256; kk++) {
-                        if (type == W4_Q4K)
-                            r[192 + (kk / 32) * 128 + w4_lo_at(c, kk % 32)] |=
-                                (uint8_t)(q[kk] << w4_lo_shift(kk % 32));
-                        else
-                            r[192 + w4_byte_at(c, kk)] = q[kk];
-                    }
                 } else {
                     int8_t sc[16];
                     w4_decode_q6k(b, &d, sc, q);
                     for (int h = 0; h < 16; h++) r[32 + h * 8 + c] = (uint8_t)sc[h];
-                    for (int kk = 0; kk < 256; kk++) r[160 + w4_byte_at(c, kk)] = q[kk];
+                    /* w4_byte_at: 4 consecutive k of a column are 4 consecutive bytes */
+                    for (int t = 0; t < 64; t++) memcpy(r + 160 + t * 32 + c * 4, q + 4 * t, 4);
                 }
                 memcpy(r + 4 * c, &d, 4);
             }
