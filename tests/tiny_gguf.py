@@ -63,6 +63,16 @@ def llama_writer(path: Path, hidden: int, ffn: int, layers: int, heads: int, kv_
     return writer
 
 
+def finish(writer: Any, path: Path) -> Path:
+    """Add the final norm (ones) and write the file `writer` holds; returns `path`."""
+    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def write_tiny_llama(path: Path, type_of: Callable[[str, int], int], seed: int = 0) -> Path:
     """A 2-layer Llama GGUF at `path`: `type_of(role, layer)` gives each matrix's GGUF type
     (roles q, k, v, o, gate, up, down; "embedding" with layer -1 for the tied embedding);
@@ -93,12 +103,7 @@ def write_tiny_llama(path: Path, type_of: Callable[[str, int], int], seed: int =
         matrix(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN, type_of("gate", i))
         matrix(f"blk.{i}.ffn_up.weight", FFN, HIDDEN, type_of("up", i))
         matrix(f"blk.{i}.ffn_down.weight", HIDDEN, FFN, type_of("down", i))
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish(writer, path)
 
 
 # Q4_K_M's mix in layer 0's K-quants (and one Q5_K), every block of 32 in layer 1.
@@ -183,12 +188,7 @@ def write_tiny_moe(path: Path, arch: str, types: dict[str, int], seed: int = 0,
             else:
                 writer.add_tensor(f"blk.{i}.{kind}_exps.weight", np.stack(per_expert),
                                   raw_dtype=gguf.GGMLQuantizationType(type_id))
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish(writer, path)
 
 
 # Q4_K_M's mix for experts (Q4_K gate/up, Q6_K down), and the blocks of 32.
