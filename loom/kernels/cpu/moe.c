@@ -24,7 +24,10 @@
  *
  * Barriers: the experts of a stage (gate_up, then down) run their kinds-2/3 worksharing loops
  * without a barrier between experts (each writes its own rows) and wait once at the end; a
- * decode step of top-8 experts is then about ten barriers a layer, not four per expert. */
+ * decode step of top-8 experts is then about ten barriers a layer, not four per expert. A
+ * decode step (m = 1) of w4a8 experts that split evenly over the threads runs "whole
+ * experts" instead (moe_whole_experts): each thread runs gate_up, the activation and down of
+ * its own experts with no barrier between them, and waits once before the sum. */
 
 /* The block as the kernels see it: arrays of num_experts linear layers (the fused
  * decoder's kinds 0-3), gate_up [2 * intermediate, hidden] (gate rows, then up rows) and
@@ -53,6 +56,7 @@ struct MoEWork {
     float *gu;          /* [m * k, 2 * intermediate] */
     float *act;         /* [m * k, intermediate] */
     QuantBuffers quant; /* m * k rows of max(hidden, intermediate): kinds 2/3's inputs */
+    QuantBuffers x1;    /* one row of hidden: a decode step's token for every expert (below) */
 };
 
 static MoEWork *moe_work_new(int64_t m, int64_t e, int64_t k, int64_t hidden, int64_t inter) {
@@ -70,6 +74,7 @@ static MoEWork *moe_work_new(int64_t m, int64_t e, int64_t k, int64_t hidden, in
     w->gu = (float *)malloc((size_t)(rows * 2 * inter) * sizeof(float));
     w->act = (float *)malloc((size_t)(rows * inter) * sizeof(float));
     w->quant = quant_buffers(rows, widest);
+    w->x1 = quant_buffers(1, hidden);
     return w;
 }
 
@@ -78,6 +83,7 @@ static void moe_work_free(MoEWork *w) {
     free(w->logits), free(w->weights), free(w->experts), free(w->start), free(w->cursor);
     free(w->active), free(w->pair), free(w->row_of), free(w->xg), free(w->gu), free(w->act);
     free_quant_buffers(w->quant);
+    free_quant_buffers(w->x1);
     free(w);
 }
 
@@ -211,6 +217,39 @@ static void moe_stage_body(const LoomLinear *layers, const float *x, const Quant
 #pragma omp barrier
 }
 
+/* A decode step (m = 1) whose chosen experts are all w4a8, one row each (distinct: a NaN
+ * step chooses expert 0 k times), and split evenly over the threads runs "whole experts":
+ * each thread takes a contiguous share of the active experts and runs each one's gate_up,
+ * activation and down alone, so a thread reads one long stream per weight matrix instead
+ * of half of every matrix, with no barrier between the stages. A
+ * thread alone computes every column group of a segment with the tile w4_segment_body gives
+ * one row (one group a tile, prefetching): the same arithmetic per output, so the same bits.
+ * Every thread decides the same (it reads only what the grouping shared). */
+static int moe_whole_experts(const LoomMoE *moe, int64_t m, const MoEWork *w) {
+    if (m != 1 || w->active[0] != moe->top_k || w->active[0] % omp_get_num_threads())
+        return 0;
+    for (int64_t i = 1; i <= w->active[0]; i++) {
+        const int64_t e = w->active[i];
+        if (moe->gate_up[e].kind != 3 || moe->down[e].kind != 3) return 0;
+    }
+    return 1;
+}
+
+/* w4a8 layer l on the one quantised row q into y [out_features], by the calling thread. */
+static void moe_w4_row_alone(const LoomLinear *l, const QuantBuffers *q, float *y) {
+    const W4Segments *segs = (const W4Segments *)l->weight;
+    const int64_t k = l->in_features, ny = l->out_features;
+    int64_t y0 = 0;
+    for (int64_t i = 0; i < segs->count; i++) {
+        const int64_t n = segs->columns[i], groups = (n + COLS - 1) / COLS;
+        const float *bias = l->bias ? l->bias + y0 : NULL;
+        for (int64_t g = 0; g < groups; g++)
+            w4_tile_any(segs->types[i], q, 0, 1, k, segs->packed[i], g, 1, n, bias, y + y0, ny,
+                        1);
+        y0 += n;
+    }
+}
+
 /* The block for x [m, hidden] into y [m, hidden] (y may be x: x is last read before y is
  * first written), called by every thread of the enclosing parallel region; w sized for at
  * least m tokens of this block. */
@@ -243,31 +282,52 @@ static void moe_block_body(const LoomMoE *moe, const float *x, int64_t m, float 
             const int64_t row = cursor[w->experts[p]]++;
             w->pair[row] = p, w->row_of[p] = row;
         }
+        /* whole experts: the token's quantised row, once for every expert's gate_up */
+        if (moe_whole_experts(moe, m, w)) moe_quantize_row(&moe->gate_up[w->active[1]], x, 0,
+                                                           hid, &w->x1);
     }
 
-    /* Gather each grouped row's input: quantised for kinds 2/3, copied for kinds 0/1. */
+    if (moe_whole_experts(moe, m, w)) {
+        /* Each thread its share of the experts, gate_up -> activation -> down, its rows'
+         * down inputs in quant (the gate_up input is x1, so no row another thread reads is
+         * written); one barrier before the sum. */
+        const int64_t share = w->active[0] / omp_get_num_threads();
+        const int64_t first = 1 + omp_get_thread_num() * share;
+        for (int64_t i = first; i < first + share; i++) {
+            const int64_t e = w->active[i], r = w->start[e];
+            float *g = w->gu + r * 2 * inter;
+            moe_w4_row_alone(&moe->gate_up[e], &w->x1, g);
+            gated_act_row(g, g + inter, inter, moe->activation, w->act + r * inter);
+            moe_quantize_row(&moe->down[e], w->act + r * inter, r, inter, &w->quant);
+            const QuantBuffers qe = quant_rows_at(&w->quant, r, inter);
+            moe_w4_row_alone(&moe->down[e], &qe, w->xg + r * hid);
+        }
+#pragma omp barrier
+    } else {
+        /* Gather each grouped row's input: quantised for kinds 2/3, copied for kinds 0/1. */
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < pairs; r++) {
-        const int64_t p = w->pair[r];
-        const LoomLinear *l = &moe->gate_up[w->experts[p]];
-        const float *xr = x + (p / k) * hid;
-        if (l->kind == 2 || l->kind == 3)
-            moe_quantize_row(l, xr, r, hid, &w->quant);
-        else
-            memcpy(w->xg + r * hid, xr, (size_t)hid * sizeof(float));
-    }
-    moe_stage_body(moe->gate_up, w->xg, &w->quant, hid, w->gu, 2 * inter, w);
+        for (int64_t r = 0; r < pairs; r++) {
+            const int64_t p = w->pair[r];
+            const LoomLinear *l = &moe->gate_up[w->experts[p]];
+            const float *xr = x + (p / k) * hid;
+            if (l->kind == 2 || l->kind == 3)
+                moe_quantize_row(l, xr, r, hid, &w->quant);
+            else
+                memcpy(w->xg + r * hid, xr, (size_t)hid * sizeof(float));
+        }
+        moe_stage_body(moe->gate_up, w->xg, &w->quant, hid, w->gu, 2 * inter, w);
 
-    /* The activation, then the down projection's input form of each row. */
+        /* The activation, then the down projection's input form of each row. */
 #pragma omp for schedule(static)
-    for (int64_t r = 0; r < pairs; r++) {
-        const float *g = w->gu + r * 2 * inter;
-        gated_act_row(g, g + inter, inter, moe->activation, w->act + r * inter);
-        moe_quantize_row(&moe->down[w->experts[w->pair[r]]], w->act + r * inter, r, inter,
-                         &w->quant);
+        for (int64_t r = 0; r < pairs; r++) {
+            const float *g = w->gu + r * 2 * inter;
+            gated_act_row(g, g + inter, inter, moe->activation, w->act + r * inter);
+            moe_quantize_row(&moe->down[w->experts[w->pair[r]]], w->act + r * inter, r, inter,
+                             &w->quant);
+        }
+        /* Every expert's output into xg (its inputs were all read in the stage before). */
+        moe_stage_body(moe->down, w->act, &w->quant, inter, w->xg, hid, w);
     }
-    /* Every expert's output into xg (its inputs were all read in the stage before). */
-    moe_stage_body(moe->down, w->act, &w->quant, inter, w->xg, hid, w);
 
     /* y[t] = sum over the slots in slot order of output * weight (mul, then add). */
 #pragma omp for schedule(static)
