@@ -152,35 +152,6 @@ static inline void moe_quantize_row(const LoomLinear *l, const float *x, int64_t
     if (l->kind == 3) w4_act_finish_row(*q, r, k);
 }
 
-/* w8a8_body without its closing barrier (the same work items and tiles, so the same bits:
- * each output's arithmetic is fixed whatever the tiling); the stage waits once for all
- * experts. */
-static void moe_w8a8_nowait(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t m,
-                            int64_t k, const uint8_t *wp, const float *scale, const float *bias,
-                            int64_t n, float *y) {
-    const int64_t groups = (n + COLS - 1) / COLS, panels = (groups + 1) / 2, nb = k / QBLOCK;
-    int64_t rows = ROW_BLOCK_BYTES / k / W8A8_ROWS * W8A8_ROWS;
-    rows = rows < W8A8_ROWS ? W8A8_ROWS : rows > ROW_BLOCK ? ROW_BLOCK : rows;
-    const int64_t blocks = (m + rows - 1) / rows;
-    float acc[ROW_BLOCK * 16] __attribute__((aligned(32)));
-    const int64_t pass = nb <= 2 * W8A8_K_BLOCKS ? nb : W8A8_K_BLOCKS;
-#pragma omp for schedule(static) nowait
-    for (int64_t task = 0; task < blocks * panels; task++) {
-        const int64_t g0 = task / blocks * 2, rb = task % blocks;
-        const int C = g0 + 1 < groups ? 2 : 1;
-        const int64_t r_begin = rb * rows, r_end = r_begin + rows < m ? r_begin + rows : m;
-        for (int64_t b0 = 0; b0 < nb; b0 += pass) {
-            const int64_t b1 = b0 + pass < nb ? b0 + pass : nb;
-            for (int64_t r0 = r_begin; r0 < r_end; r0 += W8A8_ROWS) {
-                const int R = r_end - r0 < W8A8_ROWS ? (int)(r_end - r0) : W8A8_ROWS;
-                w8a8_tile_any(xq, xs, xsum, r0, R, k, wp, g0, C, b0, b1,
-                              acc + (r0 - r_begin) * 16, rb == 0 && r0 == r_begin, scale, bias,
-                              n, y);
-            }
-        }
-    }
-}
-
 /* One expert's layer l on its `rows` grouped rows: float inputs x (kinds 0/1) or their
  * quantised form q (kinds 2/3, already filled), outputs y [rows, out_features]. Kinds 2/3
  * end without a barrier; kinds 0/1 run their bodies (which end in one). */
@@ -192,7 +163,7 @@ static void moe_linear_rows(const LoomLinear *l, const float *x, const QuantBuff
     } else if (l->kind == 1) {
         w8_body(x, rows, k, (const int8_t *)l->weight, l->scale, l->bias, n, y);
     } else if (l->kind == 2) {
-        moe_w8a8_nowait(q->xq, q->xs, q->xsum, rows, k, (const uint8_t *)l->weight, l->scale,
+        w8a8_tasks(q->xq, q->xs, q->xsum, rows, k, (const uint8_t *)l->weight, l->scale,
                         l->bias, n, y);
     } else { /* w4_linear_segments_body without its barrier */
         const W4Segments *segs = (const W4Segments *)l->weight;

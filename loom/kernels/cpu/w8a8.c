@@ -249,10 +249,12 @@ static void w8a8_tile_any(const int8_t *xq, const float *xs, const int32_t *xsum
  * Work items are (panel of two column groups, row block), split statically over the threads
  * in that order: each thread streams its share of the weights from memory once, every row
  * block of a panel reusing the panel from cache; within an item, passes of W8A8_K_BLOCKS
- * blocks keep a large k's panel in L1. */
-static void w8a8_body(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t m,
-                      int64_t k, const uint8_t *wp, const float *scale, const float *bias,
-                      int64_t n, float *y) {
+ * blocks keep a large k's panel in L1. Ends without a barrier (a caller running several
+ * products that write their own outputs waits once: the MoE block's experts); every
+ * output's arithmetic is fixed whatever thread computes it. */
+static void w8a8_tasks(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t m,
+                       int64_t k, const uint8_t *wp, const float *scale, const float *bias,
+                       int64_t n, float *y) {
     const int64_t groups = (n + COLS - 1) / COLS, panels = (groups + 1) / 2, nb = k / QBLOCK;
     int64_t rows = ROW_BLOCK_BYTES / k / W8A8_ROWS * W8A8_ROWS;
     rows = rows < W8A8_ROWS ? W8A8_ROWS : rows > ROW_BLOCK ? ROW_BLOCK : rows;
@@ -260,7 +262,7 @@ static void w8a8_body(const int8_t *xq, const float *xs, const int32_t *xsum, in
     float acc[ROW_BLOCK * 16] __attribute__((aligned(32)));
     /* One pass where a whole panel (16 x k bytes) fits in half of L1. */
     const int64_t pass = nb <= 2 * W8A8_K_BLOCKS ? nb : W8A8_K_BLOCKS;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t task = 0; task < blocks * panels; task++) {
         const int64_t g0 = task / blocks * 2, rb = task % blocks;
         const int C = g0 + 1 < groups ? 2 : 1;
@@ -275,6 +277,14 @@ static void w8a8_body(const int8_t *xq, const float *xs, const int32_t *xsum, in
             }
         }
     }
+}
+
+/* w8a8_tasks, then a barrier: every thread returns once all of y is written. */
+static void w8a8_body(const int8_t *xq, const float *xs, const int32_t *xsum, int64_t m,
+                      int64_t k, const uint8_t *wp, const float *scale, const float *bias,
+                      int64_t n, float *y) {
+    w8a8_tasks(xq, xs, xsum, m, k, wp, scale, bias, n, y);
+#pragma omp barrier
 }
 
 /* Quantised-activation workspace of a w8a8 call with m rows of k features. */
