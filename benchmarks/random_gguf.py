@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -120,11 +121,33 @@ def _random_k_blocks(rng: np.random.Generator, dims: tuple[int, ...], kind: str)
     return blocks.reshape(rows, -1)
 
 
+def stream_tensors(writer: Any, tensors: list[tuple[str, tuple[int, ...], str]],
+                   data: Callable[[str, tuple[int, ...], str], np.ndarray]) -> None:
+    """Declare every tensor (name, numpy-order dims, GGML type name; "F32" for float
+    vectors), write the header, then each tensor's `data(name, dims, type)` in the declared
+    order and close: memory stays near one tensor, however large the file."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    for name, dims, kind in tensors:
+        if kind == "F32":
+            writer.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
+        else:
+            nbytes = quant_shape_to_byte_shape(dims, GGMLQuantizationType[kind])
+            writer.add_tensor_info(name, nbytes, np.dtype(np.uint8), int(np.prod(nbytes)),
+                                   raw_dtype=GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for name, dims, kind in tensors:
+        writer.write_tensor_data(data(name, dims, kind))
+    writer.close()
+
+
 def write_random_gguf(path: Path, shape: Shape, kind: str, seed: int = 0,
                       log: Callable[[str], None] = print) -> Path:
     """Write the file (`kind`: "q8_0", "f16" or "q4_k_m"); returns `path`."""
     import gguf
-    from gguf.quants import quant_shape_to_byte_shape
 
     from loom.loader.resolve import resolve_model_path
 
@@ -143,33 +166,24 @@ def write_random_gguf(path: Path, shape: Shape, kind: str, seed: int = 0,
     tensors = list(_tensors(shape, vocab))
     names = {name for name, _ in tensors}
 
-    def type_of(name: str) -> object:
+    def type_of(name: str) -> Any:
         if qtype is not None:
             return qtype
         return types[_q4_k_m_type(name, shape.layers, "output.weight" not in names)]
 
-    for name, dims in tensors:  # declare every tensor, then stream the data
-        if len(dims) == 1:
-            writer.add_tensor_info(name, dims, np.dtype(np.float32), dims[0] * 4)
-        else:
-            nbytes = quant_shape_to_byte_shape(dims, type_of(name))
-            writer.add_tensor_info(name, nbytes, np.dtype(np.uint8),
-                                   int(np.prod(nbytes)), raw_dtype=type_of(name))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
     began = time.perf_counter()
-    for name, dims in tensors:  # in the declared order
-        if len(dims) == 1:
-            writer.write_tensor_data(np.ones(dims, dtype=np.float32))
-            continue
+
+    def data(name: str, dims: tuple[int, ...], kind: str) -> np.ndarray:
+        if kind == "F32":
+            return np.ones(dims, dtype=np.float32)
         if qtype is None:
-            writer.write_tensor_data(_random_k_blocks(rng, dims, type_of(name).name))
-            continue
+            return _random_k_blocks(rng, dims, kind)
         values = rng.standard_normal(dims, dtype=np.float32) * np.float32(0.02)
-        writer.write_tensor_data(gguf.quants.quantize(values, qtype))
-    writer.close()
+        return gguf.quants.quantize(values, qtype)
+
+    stream_tensors(writer, [(name, dims, "F32" if len(dims) == 1 else type_of(name).name)
+                            for name, dims in tensors], data)
     log(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB) in "
         f"{time.perf_counter() - began:.0f} s")
     return path

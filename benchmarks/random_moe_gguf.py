@@ -144,12 +144,10 @@ def write_random_moe_gguf(path: Path, shape: MoEShape, seed: int = 0,
     layer's stacked experts of one projection: 165 MiB for Qwen3-30B-A3B, 385 MiB for
     Mixtral-8x7B)."""
     import gguf
-    from gguf.quants import quant_shape_to_byte_shape
-    from random_gguf import _TOKENIZER_SOURCE, _copy_tokenizer
+    from random_gguf import _TOKENIZER_SOURCE, _copy_tokenizer, stream_tensors
 
     from loom.loader.resolve import resolve_model_path
 
-    types = gguf.GGMLQuantizationType
     writer = gguf.GGUFWriter(str(path), arch=shape.arch)
     writer.add_name(f"random {shape.arch} ({layer_cut(shape)})")
     writer.add_block_count(shape.layers)
@@ -170,27 +168,17 @@ def write_random_moe_gguf(path: Path, shape: MoEShape, seed: int = 0,
     writer.add_file_type(15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
     vocab = _copy_tokenizer(writer, resolve_model_path(_TOKENIZER_SOURCE))
     tensors = list(_tensors(shape, vocab))
-    for name, dims, kind in tensors:  # declare every tensor, then stream the data
-        if kind == "F32":
-            writer.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
-        else:
-            nbytes = quant_shape_to_byte_shape(dims, types[kind])
-            writer.add_tensor_info(name, nbytes, np.dtype(np.uint8), int(np.prod(nbytes)),
-                                   raw_dtype=types[kind])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
     began = time.perf_counter()
-    for name, dims, kind in tensors:  # in the declared order
+
+    def data(name: str, dims: tuple[int, ...], kind: str) -> np.ndarray:
         if name.endswith("ffn_gate_inp.weight"):
-            writer.write_tensor_data(rng.standard_normal(dims, dtype=np.float32)
-                                     * np.float32(0.05))
-        elif kind == "F32":
-            writer.write_tensor_data(np.ones(dims, dtype=np.float32))
-        else:
-            writer.write_tensor_data(random_k_blocks(rng, dims, kind))
-    writer.close()
+            return rng.standard_normal(dims, dtype=np.float32) * np.float32(0.05)
+        if kind == "F32":
+            return np.ones(dims, dtype=np.float32)
+        return random_k_blocks(rng, dims, kind)
+
+    stream_tensors(writer, tensors, data)
     log(f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB, {layer_cut(shape)}) in "
         f"{time.perf_counter() - began:.0f} s")
     return path
