@@ -165,11 +165,10 @@ def iter_gguf_weights(
             reader.prefetch(reader.tensors[at + 1])
         raw = reader.tensor_data(tensor)
         owned = _OwnedCopy(reader, tensor)
-        for index, (piece_name, piece, shape) in enumerate(
-                _pieces(tensor, hf_name, raw, experts)):
+        for piece_name, expert, shape in _pieces(tensor, hf_name, experts):
+            piece = raw if expert is None else raw[expert]
             yield from _piece_weights(tensor, arch, config, piece_name, piece, shape,
-                                      owned.piece(index if piece is not raw else None),
-                                      dtype, select, keep_blocks)
+                                      owned.piece(expert), dtype, select, keep_blocks)
         del raw, owned
         reader.release(tensor)  # its values are copied out (or its blocks, or nothing)
 
@@ -182,35 +181,34 @@ class _OwnedCopy:
         self._reader, self._tensor = reader, tensor
         self._data: np.ndarray | None = None
 
-    def piece(self, index: int | None) -> Callable[[], np.ndarray]:
-        """The owned data of piece `index` of the tensor (None: the whole tensor)."""
+    def piece(self, expert: int | None) -> Callable[[], np.ndarray]:
+        """The owned data of one expert's slab of the tensor (None: the whole tensor)."""
 
         def get() -> np.ndarray:
             if self._data is None:
                 self._data = self._reader.read_tensor(self._tensor)
-            return self._data if index is None else self._data[index]
+            return self._data if expert is None else self._data[expert]
 
         return get
 
 
-def _pieces(tensor: GGUFTensorInfo, hf_name: str, raw: np.ndarray, experts: int,
-            ) -> list[tuple[str, np.ndarray, tuple[int, ...]]]:
-    """(hf_name, data, shape) of each tensor the model loads from `tensor`: itself, or one
-    per expert of a 3-D expert tensor (each expert's rows are contiguous in the file, so an
-    expert's data is a view of its slab)."""
+def _pieces(tensor: GGUFTensorInfo, hf_name: str, experts: int,
+            ) -> list[tuple[str, int | None, tuple[int, ...]]]:
+    """(hf_name, expert, shape) of each tensor the model loads from `tensor`: itself (expert
+    None), or one per expert of a 3-D expert tensor (each expert's rows are contiguous in the
+    file, so an expert's data is its slab: index `expert` of the tensor's data)."""
     shape = tuple(tensor.shape)
     if hf_name.endswith(".mlp.gate.weight") and (len(shape) != 2 or shape[0] != experts):
         raise InvalidModelError(
             f"GGUF tensor {tensor.name!r} has shape {shape}: the router of the file's"
             f" expert_count of {experts} experts must be [{experts}, hidden]")
     if "{expert}" not in hf_name:
-        return [(hf_name, raw, shape)]
+        return [(hf_name, None, shape)]
     if len(shape) != 3 or shape[0] != experts:
         raise InvalidModelError(
             f"GGUF tensor {tensor.name!r} has shape {shape}: an expert tensor of the file's"
             f" expert_count of {experts} experts must be [{experts}, rows, columns]")
-    return [(hf_name.format(expert=e), raw[e], tuple(tensor.shape[1:]))
-            for e in range(experts)]
+    return [(hf_name.format(expert=e), e, shape[1:]) for e in range(experts)]
 
 
 def _piece_weights(
