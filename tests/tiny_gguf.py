@@ -47,18 +47,19 @@ def random_blocks(rng: np.random.Generator, rows: int, cols: int, type_id: int) 
 
 
 def llama_writer(path: Path, hidden: int, ffn: int, layers: int, heads: int, kv_heads: int,
-                 context: int) -> Any:
-    """A `gguf.GGUFWriter` at `path` with a Llama model's header fields (tensors to add)."""
+                 context: int, arch: str = "llama", eps: float = 1e-5) -> Any:
+    """A `gguf.GGUFWriter` at `path` with a Llama-like model's header fields (tensors to
+    add; `arch` "qwen3moe" for Qwen3-MoE, whose own fields the caller adds)."""
     import gguf
 
-    writer = gguf.GGUFWriter(str(path), arch="llama")
+    writer = gguf.GGUFWriter(str(path), arch=arch)
     writer.add_block_count(layers)
     writer.add_context_length(context)
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(ffn)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_layer_norm_rms_eps(eps)
     writer.add_rope_freq_base(10000.0)
     return writer
 
@@ -138,15 +139,8 @@ def write_tiny_moe(path: Path, arch: str, types: dict[str, int], seed: int = 0,
     import gguf
 
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(str(path), arch=arch)
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(256)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(MOE_FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_rope_freq_base(10000.0)
+    writer = llama_writer(path, HIDDEN, MOE_FFN, LAYERS, HEADS, KV_HEADS, context=256,
+                          arch=arch, eps=1e-6)
     writer.add_expert_count(expert_count if expert_count is not None else experts)
     writer.add_expert_used_count(EXPERTS_USED)
     if chat_template is not None:
