@@ -9,6 +9,7 @@ turn's events are also checked on a crafted generation."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import re
@@ -320,13 +321,14 @@ def test_a_turn_that_only_reasons() -> None:
 # ---------------------------------------------------------------- over HTTP
 
 
-@pytest.fixture(scope="module")
-def writes_think(tiny_models, tmp_path_factory):
-    """A server whose template lets the model open the block (Qwen3's first templates)."""
-    template = tmp_path_factory.mktemp("writes") / "template.jinja"
-    template.write_text(WRITES_THINK)
-    with run_server(engine_args(tiny_models, num_kv_blocks=512), chat_template=str(template),
-                    served_model_name=MODEL) as server:
+@contextlib.contextmanager
+def _think_server(tiny_models, folder, template_text: str, num_kv_blocks: int):
+    """(server, openai client) on the tiny model with `template_text` as its chat template;
+    the KV pool is checked free after it stops."""
+    template = folder / "template.jinja"
+    template.write_text(template_text)
+    with run_server(engine_args(tiny_models, num_kv_blocks=num_kv_blocks),
+                    chat_template=str(template), served_model_name=MODEL) as server:
         client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused",
                                max_retries=0, timeout=120)
         yield server, client
@@ -334,19 +336,22 @@ def writes_think(tiny_models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def writes_think(tiny_models, tmp_path_factory):
+    """A server whose template lets the model open the block (Qwen3's first templates)."""
+    with _think_server(tiny_models, tmp_path_factory.mktemp("writes"), WRITES_THINK,
+                       512) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
 def opens_think(tiny_models, tmp_path_factory):
     """A server whose template opens the block in the generation prompt."""
-    template = tmp_path_factory.mktemp("opens") / "template.jinja"
-    template.write_text(OPENS_THINK)
-    with run_server(engine_args(tiny_models, num_kv_blocks=1024), chat_template=str(template),
-                    served_model_name=MODEL) as server:
-        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused",
-                               max_retries=0, timeout=120)
-        with httpx.Client(base_url=server.base_url, timeout=120) as http:
-            yield server, client, http
-            for rid in server.app.state.responses.store.ids():
-                http.delete(f"/v1/responses/{rid}")
-    assert server.llm_engine.kv_pool_all_free
+    with _think_server(tiny_models, tmp_path_factory.mktemp("opens"), OPENS_THINK,
+                       1024) as (server, client), \
+            httpx.Client(base_url=server.base_url, timeout=120) as http:
+        yield server, client, http
+        for rid in server.app.state.responses.store.ids():
+            http.delete(f"/v1/responses/{rid}")
 
 
 def _forced(regex: str, max_tokens: int = 100, **extra) -> dict:
