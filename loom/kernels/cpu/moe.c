@@ -192,9 +192,9 @@ static void moe_stage_body(const LoomLinear *layers, const float *x, const Quant
  * step chooses expert 0 k times), and split evenly over the threads runs "whole experts":
  * each thread takes a contiguous share of the active experts and runs each one's gate_up,
  * activation and down alone, so a thread reads one long stream per weight matrix instead
- * of half of every matrix, with no barrier between the stages. A
- * thread alone computes every column group of a segment with the tile w4_segment_body gives
- * one row (one group a tile, prefetching): the same arithmetic per output, so the same bits.
+ * of half of every matrix, with no barrier between the stages. A thread alone computes
+ * every column group of a segment with the tile w4_segment_body gives one row (one group a
+ * tile, prefetching): the same arithmetic per output, so the same bits.
  * Every thread decides the same (it reads only what the grouping shared). */
 static int moe_whole_experts(const LoomMoE *moe, int64_t m, const MoEWork *w) {
     if (m != 1 || w->active[0] != moe->top_k || w->active[0] % omp_get_num_threads())
