@@ -30,6 +30,19 @@ def greedy(max_tokens: int = 6) -> SamplingParams:
                           output_kind=RequestOutputKind.DELTA)
 
 
+def slow_greedy(max_tokens: int, step_s: float = 0.03) -> SamplingParams:
+    """Greedy with a logits processor that sleeps `step_s` per token: a segment that a drain
+    or shutdown must stop, however fast the host decodes (400 tokens take 12 s, far past
+    the stop). A local function, so Ray pickles it by value into the replica."""
+    def pace(prompt, output, logits):
+        time.sleep(step_s)
+        return logits
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                          logprobs=0, output_kind=RequestOutputKind.DELTA,
+                          logits_processors=[pace])
+
+
 def run(coro, timeout: float = TIMEOUT_S):
     """Run a coroutine to its end, failing (not hanging) past `timeout`."""
     return asyncio.run(asyncio.wait_for(coro, timeout))
@@ -131,7 +144,7 @@ def test_a_killed_replicas_session_continues_bit_identically_from_the_store(stor
 def test_a_drained_replica_ends_its_running_segment_with_a_final_output(stored):
     async def scenario():
         await stored.add_request("drain-a", [3, 4, 5, 6, 7], None, session=True)
-        await stored.start_segment("drain-a", greedy(400), None)
+        await stored.start_segment("drain-a", slow_greedy(400), None)
         home = stored.replica_of("drain-a")
         reader = asyncio.ensure_future(_collect(stored.outputs("drain-a")))
         await asyncio.sleep(0.3)
@@ -153,7 +166,7 @@ def test_a_replica_shut_down_by_serve_ends_its_segment_and_new_requests_move(sto
             assert time.monotonic() < deadline, "Serve did not replace the killed replica"
             await asyncio.sleep(0.1)
         await stored.add_request("stop-a", [3, 9, 5, 6, 7], None, session=True)
-        await stored.start_segment("stop-a", greedy(400), None)
+        await stored.start_segment("stop-a", slow_greedy(400), None)
         reader = asyncio.ensure_future(_collect(stored.outputs("stop-a")))
         await asyncio.sleep(0.3)
         deleting = asyncio.ensure_future(asyncio.to_thread(serve.delete, "stored"))
