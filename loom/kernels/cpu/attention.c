@@ -35,26 +35,58 @@ static inline void store_kv_row(void *row, const float *src, int64_t n, int f16)
     for (; j < n; j++) dst[j] = _cvtss_sh(src[j], _MM_FROUND_TO_NEAREST_INT);
 }
 
+/* Eight hsum256 at once: lane i of the result is hsum256(a[i]), bit for bit (the same
+ * additions in the same order: a[i][k] + a[i][k + 4], then (k = 0) + (k = 2) and (k = 1) +
+ * (k = 3), then those two), done lane-parallel with shuffles instead of eight reductions. */
+static inline __m256 hsum256_x8(const __m256 a[8]) {
+    __m256 x[4];
+    for (int i = 0; i < 4; i++) /* lanes [a_i lo + a_i hi | a_{i+4} lo + a_{i+4} hi] */
+        x[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[i], a[i + 4], 0x20),
+                             _mm256_permute2f128_ps(a[i], a[i + 4], 0x31));
+    /* per 128-bit lane: [x0 s0 + s2, x0 s1 + s3, x1 s0 + s2, x1 s1 + s3] */
+    const __m256 y01 = _mm256_add_ps(_mm256_shuffle_ps(x[0], x[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm256_shuffle_ps(x[0], x[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 y23 = _mm256_add_ps(_mm256_shuffle_ps(x[2], x[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm256_shuffle_ps(x[2], x[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_shuffle_ps(y01, y23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm256_shuffle_ps(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Query heads whose dots with one key run in one pass: each head keeps two 8-lane
+ * accumulators, so eight heads need 16 registers (CPUs with 32 vector registers). */
+#if defined(__AVX512VL__)
+#define ATTN_DOT_HEADS 8
+#else
+#define ATTN_DOT_HEADS 4
+#endif
+
 /* out[g] = dot(q + g * d, key) for the ng <= 8 query heads that share one key vector: the
- * key is loaded once per 16 floats and four heads accumulate at a time in independent
- * registers (a single dot product is bound by the latency of its own additions). */
+ * key is loaded once per 16 floats for ATTN_DOT_HEADS heads, which accumulate in independent
+ * registers (a single dot product is bound by the latency of its own additions). Each dot:
+ * two 8-lane accumulators over d in steps of 16 (elements j..j+7 and j+8..j+15), added,
+ * hsum256, then the tail elements in order. */
 static inline void dots_shared_key(const float *q, int64_t ng, const void *key, int64_t d,
                                    int f16, float *out) {
-    for (int64_t g0 = 0; g0 < ng; g0 += 4) {
-        const int64_t n4 = ng - g0 < 4 ? ng - g0 : 4;
-        __m256 acc[8];
-        for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t g0 = 0; g0 < ng; g0 += ATTN_DOT_HEADS) {
+        const int64_t nh = ng - g0 < ATTN_DOT_HEADS ? ng - g0 : ATTN_DOT_HEADS;
+        __m256 acc[2 * ATTN_DOT_HEADS];
+        for (int i = 0; i < 2 * ATTN_DOT_HEADS; i++) acc[i] = _mm256_setzero_ps();
         int64_t j = 0;
         for (; j + 16 <= d; j += 16) {
             const __m256 k0 = load_kv8(key, j, f16), k1 = load_kv8(key, j + 8, f16);
-            for (int64_t g = 0; g < n4; g++) {
+            for (int64_t g = 0; g < nh; g++) {
                 const float *qg = q + (g0 + g) * d + j;
                 acc[2 * g] = _mm256_fmadd_ps(_mm256_loadu_ps(qg), k0, acc[2 * g]);
                 acc[2 * g + 1] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8), k1, acc[2 * g + 1]);
             }
         }
-        for (int64_t g = 0; g < n4; g++) {
-            float sum = hsum256(_mm256_add_ps(acc[2 * g], acc[2 * g + 1]));
+        __m256 pair[8];
+        for (int g = 0; g < 8; g++)
+            pair[g] = g < nh ? _mm256_add_ps(acc[2 * g], acc[2 * g + 1]) : _mm256_setzero_ps();
+        float sums[8];
+        _mm256_storeu_ps(sums, hsum256_x8(pair));
+        for (int64_t g = 0; g < nh; g++) {
+            float sum = sums[g];
             for (int64_t t = j; t < d; t++) sum += q[(g0 + g) * d + t] * load_kv1(key, t, f16);
             out[g0 + g] = sum;
         }
@@ -84,9 +116,15 @@ static inline void dots_two_keys(const float *q, int64_t ng, const void *key0, c
                 b[2 * g + 1] = _mm256_fmadd_ps(q1, k11, b[2 * g + 1]);
             }
         }
+        __m256 pair[8]; /* heads g of key 0 in lanes 0-3, of key 1 in lanes 4-7 */
+        for (int g = 0; g < 4; g++) {
+            pair[g] = g < n4 ? _mm256_add_ps(a[2 * g], a[2 * g + 1]) : _mm256_setzero_ps();
+            pair[4 + g] = g < n4 ? _mm256_add_ps(b[2 * g], b[2 * g + 1]) : _mm256_setzero_ps();
+        }
+        float sums[8];
+        _mm256_storeu_ps(sums, hsum256_x8(pair));
         for (int64_t g = 0; g < n4; g++) {
-            float s0 = hsum256(_mm256_add_ps(a[2 * g], a[2 * g + 1]));
-            float s1 = hsum256(_mm256_add_ps(b[2 * g], b[2 * g + 1]));
+            float s0 = sums[g], s1 = sums[4 + g];
             for (int64_t t = j; t < d; t++) {
                 s0 += q[(g0 + g) * d + t] * load_kv1(key0, t, f16);
                 s1 += q[(g0 + g) * d + t] * load_kv1(key1, t, f16);
@@ -250,6 +288,56 @@ static inline float softmax_numerators(float *sl, int64_t nk, float mx) {
     return hsum256(acc);
 }
 
+/* o[g][c] = sum over keys p in [p0, p1) of e[g][p] * v_p[c] for n4 <= 4 heads sharing the
+ * value rows vrows[p] (float16 when f16): each output element one fma chain over the keys in
+ * order, from zero, with the chunk of each head's output (32 or 16 floats) in registers over
+ * all the keys. Every attention path computes its values with this one. */
+static inline void weighted_values(const char *const *vrows, int64_t p0, int64_t p1,
+                                   const float *const *e, float *const *o, int64_t n4,
+                                   int64_t d, int f16) {
+    int64_t c = 0;
+#if ATTN_VALUE_CHUNK == 32
+    for (; c + 32 <= d; c += 32) {
+        __m256 acc[16];
+        for (int i = 0; i < 16; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t p = p0; p < p1; p++) {
+            __m256 v[4];
+            for (int i = 0; i < 4; i++) v[i] = load_kv8(vrows[p], c + 8 * i, f16);
+            for (int64_t g = 0; g < n4; g++) {
+                const __m256 w = _mm256_broadcast_ss(e[g] + p);
+                for (int i = 0; i < 4; i++)
+                    acc[4 * g + i] = _mm256_fmadd_ps(w, v[i], acc[4 * g + i]);
+            }
+        }
+        for (int64_t g = 0; g < n4; g++)
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(o[g] + c + 8 * i, acc[4 * g + i]);
+    }
+#endif
+    for (; c + 16 <= d; c += 16) {
+        __m256 acc[8];
+        for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t p = p0; p < p1; p++) {
+            const __m256 v0 = load_kv8(vrows[p], c, f16);
+            const __m256 v1 = load_kv8(vrows[p], c + 8, f16);
+            for (int64_t g = 0; g < n4; g++) {
+                const __m256 w = _mm256_broadcast_ss(e[g] + p);
+                acc[2 * g] = _mm256_fmadd_ps(w, v0, acc[2 * g]);
+                acc[2 * g + 1] = _mm256_fmadd_ps(w, v1, acc[2 * g + 1]);
+            }
+        }
+        for (int64_t g = 0; g < n4; g++) {
+            _mm256_storeu_ps(o[g] + c, acc[2 * g]);
+            _mm256_storeu_ps(o[g] + c + 8, acc[2 * g + 1]);
+        }
+    }
+    for (; c < d; c++)
+        for (int64_t g = 0; g < n4; g++) {
+            float sum = 0.0f;
+            for (int64_t p = p0; p < p1; p++) sum = fmaf(e[g][p], load_kv1(vrows[p], c, f16), sum);
+            o[g][c] = sum;
+        }
+}
+
 /* Phase 1 for one work item: the query tokens [ta, tb) of sequence seq (positions pos_a ..),
  * query heads h0 .. h0 + ng of kv head kvh, keys of one part, into the merge slots.
  *
@@ -356,57 +444,14 @@ static inline __attribute__((always_inline)) void attend_part(
             vrows[p] = (const char *)(vconv + p * d);
         }
     const int v_f16 = convert ? 0 : f16;
-    /* Values: out[t, g] = sum_p e[t, g, p] v[p], up to four heads at a time with the
-     * 16-float chunk of each head's output in registers over all keys of the part. */
+    /* Values: out[t, g] = sum_p e[t, g, p] v[p], up to four heads at a time. */
     for (int64_t t = 0; t < ql; t++)
         for (int64_t g0 = 0; g0 < ng; g0 += 4) {
             const int64_t n4 = ng - g0 < 4 ? ng - g0 : 4;
             const float *e[4];
-            for (int64_t g = 0; g < n4; g++) e[g] = SC(t, g0 + g);
-            int64_t c = 0;
-#if ATTN_VALUE_CHUNK == 32
-            for (; c + 32 <= d; c += 32) {
-                __m256 acc[16];
-                for (int i = 0; i < 16; i++) acc[i] = _mm256_setzero_ps();
-                for (int64_t p = kv0 - k0; p < nk; p++) {
-                    __m256 v[4];
-                    for (int i = 0; i < 4; i++) v[i] = load_kv8(vrows[p], c + 8 * i, v_f16);
-                    for (int64_t g = 0; g < n4; g++) {
-                        const __m256 w = _mm256_broadcast_ss(e[g] + p);
-                        for (int i = 0; i < 4; i++)
-                            acc[4 * g + i] = _mm256_fmadd_ps(w, v[i], acc[4 * g + i]);
-                    }
-                }
-                for (int64_t g = 0; g < n4; g++)
-                    for (int i = 0; i < 4; i++)
-                        _mm256_storeu_ps(RES(t, g0 + g) + c + 8 * i, acc[4 * g + i]);
-            }
-#endif
-            for (; c + 16 <= d; c += 16) {
-                __m256 acc[8];
-                for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-                for (int64_t p = kv0 - k0; p < nk; p++) {
-                    const __m256 v0 = load_kv8(vrows[p], c, v_f16);
-                    const __m256 v1 = load_kv8(vrows[p], c + 8, v_f16);
-                    for (int64_t g = 0; g < n4; g++) {
-                        const __m256 w = _mm256_broadcast_ss(e[g] + p);
-                        acc[2 * g] = _mm256_fmadd_ps(w, v0, acc[2 * g]);
-                        acc[2 * g + 1] = _mm256_fmadd_ps(w, v1, acc[2 * g + 1]);
-                    }
-                }
-                for (int64_t g = 0; g < n4; g++) {
-                    float *o = RES(t, g0 + g) + c;
-                    _mm256_storeu_ps(o, acc[2 * g]);
-                    _mm256_storeu_ps(o + 8, acc[2 * g + 1]);
-                }
-            }
-            for (; c < d; c++)
-                for (int64_t g = 0; g < n4; g++) {
-                    float sum = 0.0f;
-                    for (int64_t p = kv0 - k0; p < nk; p++)
-                        sum = fmaf(e[g][p], load_kv1(vrows[p], c, v_f16), sum);
-                    RES(t, g0 + g)[c] = sum;
-                }
+            float *o[4];
+            for (int64_t g = 0; g < n4; g++) e[g] = SC(t, g0 + g), o[g] = RES(t, g0 + g);
+            weighted_values(vrows, kv0 - k0, nk, e, o, n4, d, v_f16);
         }
 #undef SC
 #undef RES
@@ -452,7 +497,10 @@ static inline __attribute__((always_inline)) void attend_rows(
     /* Scores: every key of the part is visible to the one query (kv0 is past the window's
      * start, k1 past no position beyond it). */
     for (int64_t p = kv0; p < k1; p++) {
-        if (p + 4 < k1) prefetch_bytes(kc + at[p + 4 - k0], run_bytes);
+        if (p + 4 < k1) {
+            prefetch_bytes(kc + at[p + 4 - k0], run_bytes);
+            prefetch_bytes(vc + at[p + 4 - k0], run_bytes);
+        }
         float dots[ATTN_MAX_GROUP];
         for (int64_t kvh = 0; kvh < kvb - kva; kvh++)
             for (int64_t g0 = 0; g0 < group; g0 += ATTN_MAX_GROUP) {
@@ -468,26 +516,21 @@ static inline __attribute__((always_inline)) void attend_rows(
                 }
             }
     }
-    for (int64_t j = 0; j < nh; j++) {
-        memset(RES1(j), 0, (size_t)d * sizeof(float)); /* the value pass accumulates here */
+    for (int64_t j = 0; j < nh; j++)
         RES1(j)[d + 1] = softmax_numerators(SC1(j), nk, RES1(j)[d]);
-    }
-    /* Values: each output element one fma chain over the keys in order, from zero. */
-    for (int64_t p = kv0; p < k1; p++) {
-        const char *vrow = vc + at[p - k0];
-        if (p + 4 < k1) prefetch_bytes(vc + at[p + 4 - k0], run_bytes);
-        for (int64_t kvh = 0; kvh < kvb - kva; kvh++) {
-            const void *v = vrow + kvh * row_bytes;
-            for (int64_t g = 0; g < group; g++) {
-                const int64_t j = kvh * group + g;
-                const __m256 w = _mm256_broadcast_ss(SC1(j) + (p - k0));
-                float *o = RES1(j);
-                int64_t c = 0;
-                for (; c + 8 <= d; c += 8)
-                    _mm256_storeu_ps(o + c, _mm256_fmadd_ps(w, load_kv8(v, c, f16),
-                                                            _mm256_loadu_ps(o + c)));
-                for (; c < d; c++) o[c] = fmaf(SC1(j)[p - k0], load_kv1(v, c, f16), o[c]);
+    /* Values, kv head by kv head (the part's V rows were prefetched with its keys). */
+    const char *vrows[ATTN_PART];
+    for (int64_t kvh = 0; kvh < kvb - kva; kvh++) {
+        for (int64_t p = kv0 - k0; p < nk; p++) vrows[p] = vc + at[p] + kvh * row_bytes;
+        for (int64_t g0 = 0; g0 < group; g0 += 4) {
+            const int64_t n4 = group - g0 < 4 ? group - g0 : 4;
+            const float *e[4];
+            float *o[4];
+            for (int64_t g = 0; g < n4; g++) {
+                const int64_t j = kvh * group + g0 + g;
+                e[g] = SC1(j), o[g] = RES1(j);
             }
+            weighted_values(vrows, kv0 - k0, nk, e, o, n4, d, f16);
         }
     }
 #undef SC1
