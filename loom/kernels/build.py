@@ -106,7 +106,7 @@ SIGNATURES: dict[str, list[type]] = {
     "loom_linear_f32": [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr],
     "loom_paged_attention": [
         _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
-        _f32, _f32, _i64, _ptr, _i64,
+        _f32, _f32, _ptr, _i64, _ptr, _i64,
     ],
     "loom_rms_norm": [_ptr, _i64, _i64, _ptr, _f32, _f32, _ptr, _ptr],
     "loom_rope_neox": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr],

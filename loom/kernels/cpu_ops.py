@@ -146,13 +146,16 @@ def paged_attention(
     scale: float,
     window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context.
 
     q [T, H, D]; sequence i owns query rows [query_start_loc[i], query_start_loc[i + 1]), the
     last positions of its seq_lens[i]; their K/V are already in kv_cache [2, blocks,
     block_size, Hkv, D] float32 or float16. block_tables [S, max_blocks] int64;
-    `max_seq_len` >= every seq_len. Returns [T, H, D].
+    `max_seq_len` >= every seq_len. `sinks`: None, or float32 [H], one logit per query
+    head that joins each of its rows' softmax (the max and the sum) without a value (gpt-oss's
+    attention sinks; not multiplied by `scale`). Returns [T, H, D].
     """
     _check(q, "q", torch.float32)
     _check(query_start_loc, "query_start_loc", torch.int64)
@@ -167,12 +170,17 @@ def paged_attention(
     if (d_cache != d or h % hkv or block_tables.shape[0] != s
             or query_start_loc.shape != (s + 1,)):
         raise ValueError("q, query_start_loc, kv_cache, block_tables and seq_lens do not match")
+    if sinks is not None:
+        _check(sinks, "sinks", torch.float32)
+        if sinks.shape != (h,):
+            raise ValueError(f"sinks {tuple(sinks.shape)} must be one logit per head ({h},)")
     lib = _lib()
     out = torch.empty_like(q)
     lib.loom_paged_attention(
         q.data_ptr(), query_start_loc.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
         block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), s, h, hkv, d,
-        block_size, window or 0, scale, softcap or 0.0, max_seq_len,
+        block_size, window or 0, scale, softcap or 0.0,
+        None if sinks is None else sinks.data_ptr(), max_seq_len,
         out.data_ptr(), int(kv_cache.dtype == torch.float16),
     )
     return out

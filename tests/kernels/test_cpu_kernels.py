@@ -318,6 +318,48 @@ def test_paged_attention_of_decode_rows_around_a_chunk(max_len: int | None) -> N
             assert torch.equal(alone[0], out[row]), (i, t)
 
 
+@pytest.mark.parametrize("window", [None, 8])
+def test_paged_attention_sinks_join_each_rows_softmax(window: int | None) -> None:
+    """gpt-oss's sinks: one logit per query head in every row's softmax (max and sum), with
+    no value; a chunk's rows equal each position computed alone (decode rows), bit for bit."""
+    g = torch.Generator().manual_seed(12)
+    block, kv_heads, group, dim = 16, 2, 4, 32
+    heads = kv_heads * group
+    cache = torch.randn(2, 24, block, kv_heads, dim, generator=g).to(torch.float16)
+    tables = torch.randperm(24, generator=g).view(1, -1)
+    length, ql = 300, 9
+    q = torch.randn(ql, heads, dim, generator=g)
+    sinks = torch.randn(heads, generator=g) * 3
+    sinks[0] = 40.0  # a sink above every score: that head's outputs shrink towards zero
+    out = paged_attention(q, torch.tensor([0, ql]), cache, tables, torch.tensor([length]),
+                          length, 0.2, window, None, sinks=sinks)
+    keys = cache[0].float()[tables[0]].reshape(-1, kv_heads, dim)[:length]
+    vals = cache[1].float()[tables[0]].reshape(-1, kv_heads, dim)[:length]
+    keys, vals = keys.repeat_interleave(group, 1), vals.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) * 0.2
+    q_pos = torch.arange(length - ql, length)[:, None]
+    k_pos = torch.arange(length)[None, :]
+    visible = k_pos <= q_pos
+    if window:
+        visible &= k_pos > q_pos - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    with_sink = torch.cat([scores, sinks.view(heads, 1, 1).expand(heads, ql, 1)], dim=-1)
+    ref = torch.einsum("hqk,khd->qhd", with_sink.softmax(-1)[..., :-1], vals)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    plain = paged_attention(q, torch.tensor([0, ql]), cache, tables, torch.tensor([length]),
+                            length, 0.2, window, None)
+    assert not torch.allclose(out, plain)
+    for t in range(ql):
+        pos_len = length - ql + 1 + t
+        alone = paged_attention(q[t : t + 1], torch.tensor([0, 1]), cache, tables,
+                                torch.tensor([pos_len]), pos_len, 0.2, window, None,
+                                sinks=sinks)
+        assert torch.equal(alone[0], out[t]), t
+    with pytest.raises(ValueError, match="one logit per head"):
+        paged_attention(q, torch.tensor([0, ql]), cache, tables, torch.tensor([length]),
+                        length, 0.2, window, None, sinks=sinks[:3].contiguous())
+
+
 def test_paged_attention_rejects_other_cache_dtypes() -> None:
     cache = torch.zeros(2, 4, 16, 1, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="bfloat16"):

@@ -546,6 +546,7 @@ static inline __attribute__((always_inline)) void attend_rows(
  *   block_tables [s, max_blocks] int64, seq_lens [s] int64, q_start [s + 1] int64
  *   window     > 0: a query at position t sees keys in (t - window, t]; 0: all keys <= t
  *   softcap    > 0: scores -> softcap * tanh(scores / softcap); 0: off
+ *   sinks      NULL, or [h]: head j's sink logit joins each of its rows' softmax (max and sum)
  *   plan       attn_plan(q_start, s, h, d, max_len), max_len >= every seq_len
  *   out        [tokens, h, d]
  * Query head j reads kv head j / (h / hkv). Per window of units: phase 1 attends every (unit,
@@ -555,7 +556,7 @@ static inline __attribute__((always_inline)) void attention_body_t(
     const float *q, const int64_t *q_start, const void *k_cache, const void *v_cache,
     const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int64_t h,
     int64_t hkv, int64_t d, int64_t bs, int64_t window, float scale, float softcap,
-    const AttnPlan *plan, float *out, int f16) {
+    const float *sinks, const AttnPlan *plan, float *out, int f16) {
     const int64_t group = h / hkv, parts = plan->parts, slot_floats = d + 2;
     const int64_t gslices = (group + ATTN_MAX_GROUP - 1) / ATTN_MAX_GROUP;
     float *local = plan->local + omp_get_thread_num() * plan->local_floats;
@@ -618,11 +619,13 @@ static inline __attribute__((always_inline)) void attention_body_t(
                         block_tables + seq * max_blocks, hkv, kva, kvb, group, d, bs, window,
                         scale, softcap, part, parts, merge_row, local, f16);
         }
-        /* Phase 2: merge the parts of every (query token, head), in part order. */
+        /* Phase 2: merge the parts of every (query token, head), in part order; a head's
+         * sink (a logit without a value) joins the max first and the sum last. */
 #pragma omp for schedule(static)
         for (int64_t th = 0; th < (tok1 - tok0) * h; th++) {
             const float *base = plan->merge + th * parts * slot_floats;
-            float gmax = -INFINITY;
+            const float sink = sinks ? sinks[th % h] : -INFINITY;
+            float gmax = sink;
             for (int64_t part = 0; part < parts; part++)
                 if (base[part * slot_floats + d] > gmax) gmax = base[part * slot_floats + d];
             float total = 0.0f;
@@ -635,6 +638,7 @@ static inline __attribute__((always_inline)) void attention_body_t(
                 total = fmaf(wgt, sl[d + 1], total);
                 axpy_f32(wgt, sl, o, d);
             }
+            if (sinks) total += expf(sink - gmax);
             const float inv = 1.0f / total;
             for (int64_t j = 0; j < d; j++) o[j] *= inv;
         }
@@ -646,24 +650,25 @@ static void attention_body(
     const float *q, const int64_t *q_start, const void *k_cache, const void *v_cache,
     const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int64_t h,
     int64_t hkv, int64_t d, int64_t bs, int64_t window, float scale, float softcap,
-    const AttnPlan *plan, float *out, int f16) {
+    const float *sinks, const AttnPlan *plan, float *out, int f16) {
     if (f16)
         attention_body_t(q, q_start, k_cache, v_cache, block_tables, max_blocks, seq_lens, h,
-                         hkv, d, bs, window, scale, softcap, plan, out, 1);
+                         hkv, d, bs, window, scale, softcap, sinks, plan, out, 1);
     else
         attention_body_t(q, q_start, k_cache, v_cache, block_tables, max_blocks, seq_lens, h,
-                         hkv, d, bs, window, scale, softcap, plan, out, 0);
+                         hkv, d, bs, window, scale, softcap, sinks, plan, out, 0);
 }
 
-/* kv_f16: the caches hold float16 (else float32); max_len >= every seq_len. */
+/* kv_f16: the caches hold float16 (else float32); max_len >= every seq_len; sinks: NULL, or
+ * one logit per query head [h] that joins every row's softmax denominator (attention sinks). */
 LOOM_EXPORT void loom_paged_attention(
     const float *q, const int64_t *q_start, const void *k_cache, const void *v_cache,
     const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int64_t s,
     int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t window, float scale, float softcap,
-    int64_t max_len, float *out, int64_t kv_f16) {
+    const float *sinks, int64_t max_len, float *out, int64_t kv_f16) {
     const AttnPlan plan = attn_plan(q_start, s, h, d, max_len);
 #pragma omp parallel
     attention_body(q, q_start, k_cache, v_cache, block_tables, max_blocks, seq_lens, h, hkv, d,
-                   bs, window, scale, softcap, &plan, out, kv_f16 != 0);
+                   bs, window, scale, softcap, sinks, &plan, out, kv_f16 != 0);
     free_attn_plan(plan);
 }

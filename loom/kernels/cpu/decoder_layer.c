@@ -163,7 +163,7 @@ static void decode_layer_body(const LoomDecoderLayer *L, float *x, int64_t m, co
     }
     attention_body(ws->q_rot, q_start, k_cache, v_cache, block_tables, max_blocks, seq_lens,
                    L->heads, L->kv_heads, d, block_size, L->window, L->attn_scale, L->softcap,
-                   plan, ws->attn, f16);
+                   NULL, plan, ws->attn, f16);
     linear_any_body(&L->o, ws->attn, m, ws->h, &ws->quant);
     add_block_output(L, L->post_attn_norm, ws->h, x, m);
 
