@@ -581,11 +581,12 @@ static inline __attribute__((always_inline)) void attention_body_t(
                         scale, softcap, part, parts,
                         plan->merge + (ta - tok0) * h * parts * slot_floats, local, f16);
         }
-        /* Decode rows: (row, slice of kv heads, part), the slices as wide as the threads
-         * leave them (a position's rows of a slice are one contiguous run). */
+        /* Decode rows: (row, slice of kv heads, part), the slices as wide as four tasks per
+         * thread leave them (a position's rows of a slice are one contiguous run; with fewer
+         * tasks, a step of one row over a few parts left one thread waiting for the other). */
         const int64_t threads = omp_get_num_threads();
-        int64_t per_slice = hkv * parts >= 2 * threads
-                                ? hkv / ((2 * threads + parts - 1) / parts) : 1;
+        const int64_t row_parts = (u1 - us) * parts > 0 ? (u1 - us) * parts : 1;
+        int64_t per_slice = hkv / ((4 * threads + row_parts - 1) / row_parts);
         per_slice = per_slice < 1 ? 1 : per_slice;
         while (per_slice > 1 && per_slice * group > ATTN_ROWS_MAX_HEADS) per_slice--;
         const int64_t rslices = (hkv + per_slice - 1) / per_slice;
