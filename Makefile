@@ -51,7 +51,7 @@ lint: $(VENV)/.test
 	$(VENV)/bin/ruff check loom tests benchmarks examples
 
 test: lint
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=600
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=600 --durations=25
 
 bench: $(VENV)/.test
 	$(PIP) install -q -e ".[bench]"
