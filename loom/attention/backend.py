@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,10 +20,18 @@ class AttentionSpec:
     scale: float
     sliding_window: int | None = None  # key visible iff key_pos > query_pos - window
     logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
+    # Attention sinks (gpt-oss): None, or [num_heads], one learned logit per query head that
+    # joins every row's softmax (its max and its sum) with no value row, so a row's weights
+    # sum to less than one. Not multiplied by `scale`. The layer's parameter itself, bound
+    # at run time (`PagedAttention`): not part of the spec's equality.
+    sinks: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} not a multiple of {self.num_kv_heads}")
+        if self.sinks is not None and tuple(self.sinks.shape) != (self.num_heads,):
+            raise ValueError(f"sinks {tuple(self.sinks.shape)} must be one logit per head"
+                             f" ({self.num_heads},)")
 
 
 class AttentionBackend(ABC):

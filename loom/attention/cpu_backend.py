@@ -57,6 +57,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         result = paged_attention(
             queries.contiguous(), rows.query_starts, kv_cache, rows.block_tables, rows.seq_lens,
             rows.max_seq_len, spec.scale, spec.sliding_window, spec.logit_softcap,
+            sinks=None if spec.sinks is None else spec.sinks.float().contiguous(),
         )
         if rows.token_idx is None:
             out.copy_(result)

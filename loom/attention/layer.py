@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -16,11 +18,16 @@ class PagedAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.spec = spec
+        # `spec` (fixed once built) with the layer's sinks bound, made again whenever another
+        # sinks tensor arrives (the parameter is replaced when its weight loads).
+        self._bound: AttentionSpec | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H*D], k/v [T, Hkv*D] -> [T, H*D]; `sinks` [H]: the layer's attention sinks
+        (see `AttentionSpec.sinks`)."""
         ctx = get_forward_context()
-        s = self.spec
+        s = self.spec if sinks is None else self._with_sinks(sinks)
         return ctx.backend.forward(
             s,
             q.view(-1, s.num_heads, s.head_dim),
@@ -29,3 +36,9 @@ class PagedAttention(nn.Module):
             ctx.kv_caches[self.layer_idx],
             ctx.metadata,
         )
+
+    def _with_sinks(self, sinks: torch.Tensor) -> AttentionSpec:
+        bound = self._bound
+        if bound is None or bound.sinks is not sinks:
+            bound = self._bound = dataclasses.replace(self.spec, sinks=sinks)
+        return bound

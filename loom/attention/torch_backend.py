@@ -25,14 +25,16 @@ def attend(
     mask: torch.Tensor | None,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Masked attention: q [N, H, M, D], k/v [N, Hkv, L, D], mask [N, 1, M, L] (True = see).
 
-    `mask=None` means top-left causal (M == L, query i sees keys <= i).
+    `mask=None` means top-left causal (M == L, query i sees keys <= i). `sinks` [H]: a logit
+    per query head that joins each row's softmax with no value (`AttentionSpec.sinks`).
     """
     n, num_heads, m, d = q.shape
     num_kv_heads, length = k.shape[1], k.shape[2]
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
             enable_gqa=num_heads != num_kv_heads,
@@ -43,11 +45,19 @@ def attend(
     # Query head h reads kv head h // group: fold the group into the query axis.
     qg = q.reshape(n, num_kv_heads, group * m, d)
     scores = torch.matmul(qg, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(n, num_kv_heads, group, m, length)
     scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs.view(n, num_kv_heads, group * m, length), v)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:
+        # One more column per row, the head's sink: [..., L] -> [..., L + 1], then dropped.
+        sink = sinks.float().view(1, num_kv_heads, group, 1, 1).expand(n, -1, -1, m, 1)
+        joined = torch.cat((scores.float(), sink), dim=-1)
+        probs = torch.softmax(joined, dim=-1)[..., :length]
+    probs = probs.to(q.dtype)
+    out = torch.matmul(probs.reshape(n, num_kv_heads, group * m, length), v)
     return out.view(n, num_heads, m, d)
 
 
@@ -155,7 +165,7 @@ class TorchAttentionBackend(AttentionBackend):
         qd = q[plan.token_idx].unsqueeze(2)  # [n, H, 1, D]
         out = attend(
             qd, keys.transpose(1, 2), vals.transpose(1, 2), plan.mask, spec.scale,
-            spec.logit_softcap,
+            spec.logit_softcap, spec.sinks,
         )
         return out.squeeze(2)
 
@@ -194,6 +204,6 @@ class TorchAttentionBackend(AttentionBackend):
             q.transpose(0, 1).unsqueeze(0),
             keys.transpose(0, 1).unsqueeze(0),
             vals.transpose(0, 1).unsqueeze(0),
-            mask, spec.scale, spec.logit_softcap,
+            mask, spec.scale, spec.logit_softcap, spec.sinks,
         )
         return out[0].transpose(0, 1)

@@ -13,6 +13,7 @@ import torch
 from loom.attention.backend import AttentionBackend, AttentionSpec
 from loom.attention.metadata import AttentionMetadata
 from loom.attention.torch_backend import write_kv
+from loom.errors import UnsupportedModelError
 
 # Programs a launch should have for the GPU to be busy (a few per SM of an H100's 132).
 _TARGET_PROGRAMS = 512
@@ -67,6 +68,10 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Store k/v at the step's slots, then attend every query over its paged context."""
+        if spec.sinks is not None:
+            raise UnsupportedModelError(
+                "the triton attention backend has no attention sinks (gpt-oss) yet; run this "
+                "model with attention_backend='torch'")
         write_kv(kv_cache, k, v, metadata.slot_mapping)
         group = spec.num_heads // spec.num_kv_heads
         key = self.plan_key(group, spec.num_kv_heads)
