@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import ModuleType
 from typing import Any
 
@@ -14,7 +14,7 @@ from loom.attention.context import get_forward_context
 from loom.errors import UnsupportedModelError
 from loom.kernels import elementwise_kernels, rope_neox, use_cpu_kernels
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -27,23 +27,57 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    # YaRN: the rotation counts bounding the ramp between interpolated (slow) and kept (fast)
+    # frequencies, whether its bounds are rounded outwards to whole dimensions, and the
+    # factor every cos/sin is multiplied by (`attention_factor`).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
-def _spec(theta: float, scaling: dict[str, Any] | None) -> RopeSpec:
+def _spec(theta: float, scaling: dict[str, Any] | None,
+          max_position: int | None = None) -> RopeSpec:
     scaling = scaling or {}
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type not in _SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
             f"rope type {rope_type!r} is not supported; supported: {_SUPPORTED_ROPE_TYPES}"
         )
-    return RopeSpec(
+    original = int(scaling.get("original_max_position_embeddings") or 8192)
+    factor = scaling.get("factor")
+    if factor is None and rope_type == "yarn" and max_position:
+        factor = max_position / original  # YaRN configs may give the lengths only
+    spec = RopeSpec(
         theta=float(scaling.get("rope_theta", theta)),
         rope_type=rope_type,
-        factor=float(scaling.get("factor", 1.0)),
+        factor=float(1.0 if factor is None else factor),
         low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
         high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-        original_max_position=int(scaling.get("original_max_position_embeddings", 8192)),
+        original_max_position=original,
+        beta_fast=float(scaling.get("beta_fast") or 32.0),
+        beta_slow=float(scaling.get("beta_slow") or 1.0),
+        truncate=bool(scaling.get("truncate", True)),
     )
+    if rope_type == "yarn":
+        spec = replace(spec, attention_factor=yarn_attention_factor(spec.factor, scaling))
+    return spec
+
+
+def yarn_attention_factor(factor: float, scaling: dict[str, Any]) -> float:
+    """YaRN's cos/sin multiplier: `attention_factor` when the config gives it, else
+    0.1 ln(factor) + 1 (as a ratio of two such terms when `mscale` and `mscale_all_dim` are
+    both given); 1 for a factor <= 1."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(weight: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    weight, weight_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if weight and weight_all:
+        return float(mscale(float(weight)) / mscale(float(weight_all)))
+    return mscale(1.0)
 
 
 def resolve_rope(t: dict[str, Any], layer_type: str = "full_attention") -> RopeSpec:
@@ -59,10 +93,16 @@ def resolve_rope(t: dict[str, Any], layer_type: str = "full_attention") -> RopeS
             params = params[layer_type]
         elif "full_attention" in params and isinstance(params["full_attention"], dict):
             params = params["full_attention"]
-        return _spec(float(params.get("rope_theta", 10_000.0)), params)
+    max_position = t.get("max_position_embeddings")
+    if isinstance(params, dict) and params:
+        if layer_type in params and isinstance(params[layer_type], dict):
+            params = params[layer_type]
+        elif "full_attention" in params and isinstance(params["full_attention"], dict):
+            params = params["full_attention"]
+        return _spec(float(params.get("rope_theta", 10_000.0)), params, max_position)
     if layer_type == "sliding_attention" and "rope_local_base_freq" in t:
         return RopeSpec(theta=float(t["rope_local_base_freq"]))
-    return _spec(float(t.get("rope_theta", 10_000.0)), t.get("rope_scaling"))
+    return _spec(float(t.get("rope_theta", 10_000.0)), t.get("rope_scaling"), max_position)
 
 
 def inverse_frequencies(spec: RopeSpec, rotary_dim: int) -> torch.Tensor:
@@ -84,7 +124,38 @@ def inverse_frequencies(spec: RopeSpec, rotary_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / spec.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         inv_freq = torch.where(medium, smoothed, scaled)
+    elif spec.rope_type == "yarn":
+        inv_freq = _yarn_frequencies(spec, inv_freq, rotary_dim)
     return inv_freq
+
+
+def _yarn_frequencies(spec: RopeSpec, inv_freq: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """YaRN: frequency i is kept where it turns more than beta_fast times over the original
+    context, divided by `factor` where it turns fewer than beta_slow times, and blended
+    linearly in between (the ramp over frequency index i, from `low` to `high`):
+
+        keep(i) = 1 - clamp((i - low) / (high - low), 0, 1)
+        inv(i)  = inv_freq(i) / factor * (1 - keep(i)) + inv_freq(i) * keep(i)
+    """
+
+    def dimension(rotations: float) -> float:
+        # The dimension whose wavelength fits `rotations` times in the original context.
+        turns = spec.original_max_position / (rotations * 2 * math.pi)
+        return rotary_dim * math.log(turns) / (2 * math.log(spec.theta))
+
+    low, high = dimension(spec.beta_fast), dimension(spec.beta_slow)
+    if spec.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width would divide by zero
+    # On the CPU even while the model is built on the meta device.
+    index = torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu")
+    keep = 1 - torch.clamp((index - low) / (high - low), 0, 1)
+    # 1 / (factor * theta^(2i/d)), rounded as the reference rounds it (not inv_freq / factor).
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float()
+    interpolated = 1.0 / (spec.factor * spec.theta ** (exponents / rotary_dim))
+    return interpolated * (1 - keep) + inv_freq * keep
 
 
 # Positions per block of `RotaryEmbedding.position_table`.
@@ -109,10 +180,20 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.float()[:, None] * self._inv_freq[None, :]
         return torch.cat((freqs, freqs), dim=-1)
 
+    def _cos_sin32(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 cos/sin [T, D], times YaRN's attention factor where it is not 1 (every
+        path reads its rows from here: the modules, the kernels and the fused decoder)."""
+        emb = self._angles(positions)
+        cos, sin = emb.cos(), emb.sin()
+        scale = self.spec.attention_factor
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        return cos, sin
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos/sin tables [T, 1, D] for absolute positions, computed in float32."""
-        emb = self._angles(positions)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = self._cos_sin32(positions)
+        return cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)
 
     def position_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 cos/sin rows [T, D] for CPU `positions`, read from a table of every position
@@ -130,8 +211,7 @@ class RotaryEmbedding(nn.Module):
             # Doubling keeps the copies of a growing table linear in the positions reached.
             for start in range(have, max(needed, 2 * have), TABLE_BLOCK):
                 block = torch.arange(start, start + TABLE_BLOCK, dtype=torch.int64)
-                emb = self._angles(block)
-                blocks.append(torch.stack((emb.cos(), emb.sin())))
+                blocks.append(torch.stack(self._cos_sin32(block)))
             table = self._table = torch.cat(blocks, dim=1)
         return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
