@@ -11,6 +11,7 @@ from torch.profiler import record_function
 from loom.attention import get_forward_context
 from loom.errors import InvalidModelError
 from loom.models.config import ModelConfig
+from loom.models.expert_tensors import FusedExpertTensor, split_expert_tensors
 from loom.models.fused_decode import FusedDecoder
 from loom.models.layers import Linear
 from loom.models.weight_shard import ShardRule, WeightSelector
@@ -41,6 +42,9 @@ class CausalLM(nn.Module):
     fused_decode_status: str = "not built"
     # HF weight-name prefixes that carry no text-model weights (vision towers, ...).
     ignored_prefixes: tuple[str, ...] = ()
+    # Checkpoint tensors holding every expert of a projection, cut per expert as they load
+    # (`loom.models.expert_tensors`; gpt-oss).
+    fused_expert_tensors: tuple[FusedExpertTensor, ...] = ()
     # Tensor parallelism (loom.models.tensor_parallel): the slice of its checkpoint tensor
     # each sharded parameter holds, and whether the (untied) output projection loads from
     # the embedding's tensor. Empty / False for a whole model.
@@ -158,6 +162,8 @@ class CausalLM(nn.Module):
             if on_loaded is not None:
                 on_loaded(name)
 
+        if self.fused_expert_tensors:
+            weights = split_expert_tensors(weights, self.fused_expert_tensors)
         for hf_name, tensor in weights:
             name = self.map_weight_name(hf_name)
             if name is None:

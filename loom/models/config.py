@@ -33,8 +33,33 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                             "num_experts_per_tok": 8},
     "MixtralForCausalLM": {"rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0,
                            "hidden_act": "silu", "num_experts_per_tok": 2},
+    # transformers' GptOssConfig.
+    "GptOssForCausalLM": {"rms_norm_eps": 1e-5, "head_dim": 64, "sliding_window": 128,
+                          "attention_bias": True, "tie_word_embeddings": False,
+                          "num_experts_per_tok": 4, "swiglu_alpha": 1.702,
+                          "swiglu_limit": 7.0, "max_position_embeddings": 131072},
 }
 _ARCH_DEFAULTS["Gemma3ForConditionalGeneration"] = _ARCH_DEFAULTS["Gemma3ForCausalLM"]
+
+
+def _gpt_oss_defaults(flat: dict[str, Any]) -> None:
+    """GptOssConfig's defaults that depend on other keys: layers alternate sliding (even
+    indices) and full attention; with no rotary parameters at all, YaRN x32 over 4096."""
+    if not flat.get("layer_types"):
+        flat["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                               for i in range(int(flat["num_hidden_layers"]))]
+    if not flat.get("rope_parameters") and not flat.get("rope_scaling"):
+        flat["rope_parameters"] = {
+            "rope_type": "yarn", "rope_theta": float(flat.get("rope_theta") or 150_000.0),
+            "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 4096,
+        }
+    elif not flat.get("rope_parameters"):
+        flat.setdefault("rope_theta", 150_000.0)  # the legacy layout's base, when absent
+
+
+# Defaults computed from the config's other keys, per architecture (after `_ARCH_DEFAULTS`).
+_DERIVED_DEFAULTS = {"GptOssForCausalLM": _gpt_oss_defaults}
 
 
 def text_config(hf: dict[str, Any]) -> dict[str, Any]:
@@ -48,6 +73,8 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
                 flat[key] = hf[key]
     for key, value in _ARCH_DEFAULTS.get(arch, {}).items():
         flat.setdefault(key, value)
+    if arch in _DERIVED_DEFAULTS:
+        _DERIVED_DEFAULTS[arch](flat)
     return flat
 
 

@@ -4,10 +4,11 @@ A decode step computes one token per sequence; in eager PyTorch its cost on a CP
 per-operation overhead (about 25 small ops per layer, each waking the thread pool). When
 every layer of a model has the supported shape (pre-norm or Gemma's sandwich norms, stacked
 q/k/v and gate/up projections, float32 or int8 weights, rotate-half RoPE, SiLU or
-tanh-GELU; the feed-forward block a gated MLP or a mixture of experts of them, which runs as
-cpu/moe.c's block) and the KV cache is float32 or float16 on the CPU, `FusedDecoder` runs all
-layers in a single call into Loom's C kernels (one OpenMP parallel region for the whole
-step), with the same kernels the modules call one by one.
+tanh-GELU, no attention sinks; the feed-forward block a gated MLP or a mixture of experts of
+them routed by a softmax over a router without bias, which runs as cpu/moe.c's block) and
+the KV cache is float32 or float16 on the CPU, `FusedDecoder` runs all layers in a single
+call into Loom's C kernels (one OpenMP parallel region for the whole step), with the same
+kernels the modules call one by one.
 
 In w4a8 (the default mode for a quantised GGUF) and w8a8 it runs every step, prefill chunks
 of any size included: one arithmetic per token (int8 products summed exactly, float
@@ -166,6 +167,11 @@ def describe_moe(moe: nn.Module, keep: list[Any]) -> _MoEDesc:
     if not isinstance(router, torch.Tensor) or router.shape != (moe.num_experts,
                                                                  moe.hidden_size):
         raise _Unsupported("the router has no [experts, hidden] weight")
+    # cpu/moe.c routes by softmax over every expert, then the top k, with no router bias.
+    if getattr(moe.gate, "bias", None) is not None:
+        raise _Unsupported("the router has a bias")
+    if getattr(moe, "scoring", "softmax") != "softmax":
+        raise _Unsupported(f"routing by {moe.scoring!r}")
     experts = list(moe.experts)
     if len(experts) != moe.num_experts:
         raise _Unsupported(f"{len(experts)} expert modules for {moe.num_experts} experts")
@@ -208,6 +214,8 @@ def _describe(layer: nn.Module, keep: list[Any]) -> _LayerDesc:
         raise _Unsupported(f"{type(layer).__name__} has no fused decode layout")
     if attn.qkv_proj is None or (not moe and mlp.gate_up_proj is None):
         raise _Unsupported("projections are not stacked (run fuse_projections first)")
+    if attn.sinks is not None:  # the layer kernel attends without them
+        raise _Unsupported("attention sinks")
     activation = _activation(mlp)
     if moe:  # the experts replace gate_up / down (left zero: never read)
         moe_desc = describe_moe(mlp, keep)

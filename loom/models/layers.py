@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -119,20 +120,45 @@ class RMSNorm(nn.Module):
         )
 
 
-class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x))."""
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's gated activation of (gate, up), elementwise:
 
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: str) -> None:
+        gate = min(gate, limit);  up = clamp(up, -limit, limit)
+        out  = (up + 1) * gate * sigmoid(alpha * gate)
+    """
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The activation of matching gate and up tensors."""
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+# A gated MLP's activation: the name of act in act(gate) * up (`_ACTIVATIONS`), or a gated
+# activation of its own. Only the names have kernels (the fused decoder, the Triton one).
+Activation = str | ClampedSwiGLU
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)), or down(activation(gate(x), up(x))) for a gated
+    activation object; `bias`: every projection has one."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: Activation,
+                 bias: bool = False) -> None:
         super().__init__()
-        if activation not in _ACTIVATIONS:
+        if isinstance(activation, str) and activation not in _ACTIVATIONS:
             raise UnsupportedModelError(
                 f"activation {activation!r} not supported; supported: {sorted(_ACTIVATIONS)}"
             )
         self.activation = activation
-        self.act = _ACTIVATIONS[activation]
-        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+        self.act = _ACTIVATIONS[activation] if isinstance(activation, str) else None
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
         # Set by `fuse()`: one [2 * intermediate, hidden] projection replacing gate and up.
         self.gate_up_proj: nn.Linear | None = None
@@ -149,12 +175,17 @@ class GatedMLP(nn.Module):
         """Apply the gated feed-forward block."""
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(x)
-            kernels = elementwise_kernels(gate_up)
+            kernels = elementwise_kernels(gate_up) if self.act is not None else None
             if kernels is not None and gate_up.dim() == 2:
                 return self.down_proj(kernels.gated_act(gate_up, self.activation))
             gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(self.act(gate) * up)
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(self._gated(gate, up))
+        return self.down_proj(self._gated(self.gate_proj(x), self.up_proj(x)))
+
+    def _gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.act is None:
+            return self.activation(gate, up)
+        return self.act(gate) * up
 
 
 # Builds one layer computing the concatenated outputs of the given linear layers.
@@ -207,7 +238,10 @@ class SelfAttention(nn.Module):
         o_bias: bool = False,
         qk_norm_eps: float | None = None,
         gemma_norm: bool = False,
+        sinks: bool = False,
     ) -> None:
+        """`sinks`: the layer has a learned attention sink per head (`self_attn.sinks`, see
+        `AttentionSpec.sinks`)."""
         super().__init__()
         h, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
@@ -222,6 +256,7 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(d, qk_norm_eps, gemma=gemma_norm)
         self.rotary = RotaryEmbedding(d, rope)
         self.attn = PagedAttention(layer_idx, spec)
+        self.sinks = nn.Parameter(torch.empty(h)) if sinks else None
         # Set by `fuse()`: one projection producing [q | k | v].
         self.qkv_proj: nn.Linear | None = None
         self.qkv_sizes = (h * d, kv * d, kv * d)
@@ -244,7 +279,7 @@ class SelfAttention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
-        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v)
+        out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, self.sinks)
         return self.o_proj(out)
 
 

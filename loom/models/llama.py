@@ -43,6 +43,7 @@ class LlamaDecoderLayer(nn.Module):
         o_bias: bool,
         qk_norm: bool,
         mlp: nn.Module | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         eps = float(t["rms_norm_eps"])
@@ -57,6 +58,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = SelfAttention(
             layer_idx, config.hidden_size, spec, resolve_rope(t, layer_type),
             qkv_bias=qkv_bias, o_bias=o_bias, qk_norm_eps=eps if qk_norm else None,
+            sinks=sinks,
         )
         # The feed-forward block: the dense gated MLP, or what the architecture gives
         # (a mixture of experts, `loom.models.moe`).
@@ -76,6 +78,7 @@ class LlamaForCausalLM(CausalLM):
 
     qkv_bias_default = False
     qk_norm = False
+    attention_sinks = False  # a learned sink logit per head (`self_attn.sinks`)
 
     def __init__(self, config: ModelConfig) -> None:
         t = config.text
@@ -88,6 +91,7 @@ class LlamaForCausalLM(CausalLM):
             LlamaDecoderLayer(
                 i, t, config, windows[i], qkv_bias=qkv_bias, o_bias=o_bias,
                 qk_norm=self.qk_norm, mlp=self.feed_forward(i, t, config),
+                sinks=self.attention_sinks,
             )
             for i in range(config.num_layers)
         ]

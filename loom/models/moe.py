@@ -10,7 +10,10 @@ experts, and its output is the weighted sum of those experts' gated MLPs:
               weights[s] * expert[chosen[s]](x)
 
 Qwen3-MoE renormalises when its config says `norm_topk_prob`; Mixtral always (its top-k
-then softmax is the same weights); OLMoE never.
+then softmax is the same weights); OLMoE never. gpt-oss scores the other way round
+(`scoring="topk_softmax"`: the top_k logits, then a softmax over those k alone), adds a bias
+to its router and to every expert projection, and gates with its clamped SwiGLU
+(`loom.models.layers.ClampedSwiGLU`): parameters of this one block.
 
 Invariants the default mode relies on (DESIGN.md section 5):
 - the router is float32 and never quantised, and its logits come from a row-independent
@@ -35,7 +38,7 @@ import torch
 from torch import nn
 
 from loom.kernels import linear_f32, use_cpu_kernels
-from loom.models.layers import GatedMLP
+from loom.models.layers import Activation, GatedMLP
 from loom.models.moe_kernel import MoEKernel
 
 
@@ -47,23 +50,27 @@ def expert_count(t: dict[str, Any]) -> int:
 
 
 class Router(nn.Module):
-    """The router's logits: x [T, H] @ weight [E, H].T in float32. Not an nn.Linear, so no
-    quantisation method replaces it (llama.cpp keeps `ffn_gate_inp` unquantised too)."""
+    """The router's logits: x [T, H] @ weight [E, H].T (+ bias [E]) in float32. Not an
+    nn.Linear, so no quantisation method replaces it (llama.cpp keeps `ffn_gate_inp`
+    unquantised too)."""
 
     # The w4a8 blocks hook keeps no file blocks for it: it always computes from values.
     keeps_file_blocks = False
 
-    def __init__(self, hidden_size: int, num_experts: int) -> None:
+    def __init__(self, hidden_size: int, num_experts: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.num_experts = hidden_size, num_experts
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits [T, E] in float32."""
-        weight = self.weight
-        if weight.dtype == torch.float32 and use_cpu_kernels(x, weight):
-            return linear_f32(x.float().contiguous(), weight, None)  # one path for every T
-        return torch.nn.functional.linear(x.float(), weight.float())
+        weight, bias = self.weight, self.bias
+        if weight.dtype == torch.float32 and use_cpu_kernels(x, weight) and (
+                bias is None or bias.dtype == torch.float32):
+            return linear_f32(x.float().contiguous(), weight, bias)  # one path for every T
+        return torch.nn.functional.linear(x.float(), weight.float(),
+                                          None if bias is None else bias.float())
 
 
 def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -79,21 +86,43 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool,
     return weights, order
 
 
+def route_topk_logits(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, experts) [T, top_k] of router logits [T, E] scored gpt-oss's way: the top_k
+    logits in decreasing order (ties to the lower index), then a softmax over those k alone
+    (the same weights as `route_topk` renormalised, rounded differently)."""
+    logits = logits.float()
+    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    return torch.softmax(logits.gather(1, order), dim=-1), order
+
+
+# How a block turns router logits into (weights, experts): `scoring` -> rule.
+SCORINGS = ("softmax", "topk_softmax")
+
+
 class SparseMoE(nn.Module):
     """Router + `num_experts` gated MLPs, `top_k` of them per token (see the module
-    docstring). HF-named: `gate.weight`, `experts.<e>.{gate,up,down}_proj.weight`."""
+    docstring). HF-named: `gate.weight`, `experts.<e>.{gate,up,down}_proj.weight`.
+
+    `scoring`: one of SCORINGS ("softmax": `route_topk`, "topk_softmax":
+    `route_topk_logits`, which ignores `renormalize`); `router_bias`, `expert_bias`: the
+    router and every expert projection have a bias."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int,
-                 top_k: int, renormalize: bool, activation: str) -> None:
+                 top_k: int, renormalize: bool, activation: Activation, *,
+                 scoring: str = "softmax", router_bias: bool = False,
+                 expert_bias: bool = False) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"top_k {top_k} outside 1..{num_experts} experts")
+        if scoring not in SCORINGS:
+            raise ValueError(f"scoring {scoring!r} is not one of {SCORINGS}")
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
-        self.activation = activation
-        self.gate = Router(hidden_size, num_experts)
+        self.activation, self.scoring = activation, scoring
+        self.gate = Router(hidden_size, num_experts, bias=router_bias)
         self.experts = nn.ModuleList(
-            GatedMLP(hidden_size, intermediate_size, activation) for _ in range(num_experts))
+            GatedMLP(hidden_size, intermediate_size, activation, bias=expert_bias)
+            for _ in range(num_experts))
         # The C form of this block (`loom.models.moe_kernel`), made at first use on the CPU
         # kernels; None where the experts' layers have no kernel form.
         self._kernel: object | None = None
@@ -101,6 +130,8 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, experts) [T, top_k] of the rows x [T, H]."""
+        if self.scoring == "topk_softmax":
+            return route_topk_logits(self.gate(x), self.top_k)
         return route_topk(self.gate(x), self.top_k, self.renormalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,7 +173,7 @@ class SparseMoE(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, "
-                f"renormalize={self.renormalize}")
+                f"renormalize={self.renormalize}, scoring={self.scoring}")
 
 
 def combine_slots(slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from loom.errors import UnsupportedModelError
 from loom.models.base import CausalLM
 from loom.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+from loom.models.gpt_oss import GptOssForCausalLM
 from loom.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from loom.models.mixtral import MixtralForCausalLM
 from loom.models.qwen3 import Qwen3ForCausalLM
@@ -13,6 +14,7 @@ from loom.models.qwen3_moe import Qwen3MoeForCausalLM
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,

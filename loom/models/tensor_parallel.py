@@ -45,11 +45,21 @@ if TYPE_CHECKING:
     from loom.parallel.group import TensorParallelGroup
 
 
+# Architectures with parameters no shard rule covers yet, and which.
+_NOT_SHARDED = {
+    "GptOssForCausalLM": "its attention sinks, expert biases and fused expert tensors",
+}
+
+
 def check_shardable(config: ModelConfig, world_size: int) -> None:
     """Raise `UnsupportedModelError` naming the dimension that does not split `world_size`
     ways."""
     if world_size < 1:
         raise UnsupportedModelError(f"tensor_parallel_size must be >= 1, got {world_size}")
+    if world_size > 1 and config.architecture in _NOT_SHARDED:
+        raise UnsupportedModelError(
+            f"{config.architecture} does not split over tensor-parallel ranks yet:"
+            f" {_NOT_SHARDED[config.architecture]} have no shard rules")
     heads, kv = config.num_heads, config.num_kv_heads
     intermediate = int(config.text.get("intermediate_size") or 0)
     problems = []
