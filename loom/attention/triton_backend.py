@@ -13,7 +13,6 @@ import torch
 from loom.attention.backend import AttentionBackend, AttentionSpec
 from loom.attention.metadata import AttentionMetadata
 from loom.attention.torch_backend import write_kv
-from loom.errors import UnsupportedModelError
 
 # Programs a launch should have for the GPU to be busy (a few per SM of an H100's 132).
 _TARGET_PROGRAMS = 512
@@ -68,10 +67,6 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Store k/v at the step's slots, then attend every query over its paged context."""
-        if spec.sinks is not None:
-            raise UnsupportedModelError(
-                "the triton attention backend has no attention sinks (gpt-oss) yet; run this "
-                "model with attention_backend='torch'")
         write_kv(kv_cache, k, v, metadata.slot_mapping)
         group = spec.num_heads // spec.num_kv_heads
         key = self.plan_key(group, spec.num_kv_heads)
@@ -85,6 +80,7 @@ class TritonAttentionBackend(AttentionBackend):
         out = self._kernels.paged_attention(
             q, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
             metadata.positions, plan, spec.scale, spec.sliding_window, spec.logit_softcap,
+            None if spec.sinks is None else spec.sinks.float().contiguous(),
         )
         return out.flatten(1)
 

@@ -31,7 +31,9 @@ on the GPU. Both kernels compile without floating-point contraction, so the fold
 where it is written.
 
 Masks: a query at position t sees keys <= t, and with a sliding window only keys
-> t - window; scores are soft-capped (cap * tanh(s / cap)) when asked. Accumulation is in
+> t - window; scores are soft-capped (cap * tanh(s / cap)) when asked. Attention sinks
+(gpt-oss: one logit per query head that joins each row's softmax with no value) are folded
+last, as one more state (sink, 1, 0), by whichever kernel ends the fold. Accumulation is in
 float32; float32 inputs multiply in IEEE float32 (no TF32), so the result matches the torch
 reference backend to float32 rounding.
 
@@ -94,13 +96,13 @@ def _fold(big_m, big_l, big_a, m, lsum, acc):
                                             "work_seq_ptr", "work_qoff_ptr", "real_lens_ptr"])
 def _attend_part(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, q_start_ptr, work_seq_ptr, work_qoff_ptr,
-    real_lens_ptr, out_ptr, acc_ptr, m_ptr, l_ptr,
+    real_lens_ptr, sinks_ptr, out_ptr, acc_ptr, m_ptr, l_ptr,
     scale, softcap, window, num_rows, max_blocks,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PART: tl.constexpr, SOFTCAP: tl.constexpr,
     WINDOW: tl.constexpr, SINGLE_PART: tl.constexpr, PRECISION: tl.constexpr,
-    PADDED: tl.constexpr,
+    PADDED: tl.constexpr, SINKS: tl.constexpr,
 ):
     w = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -187,6 +189,12 @@ def _attend_part(
             tl.store(l_ptr + part_row, l_i, mask=row_ok)
 
     if SINGLE_PART:
+        if SINKS:  # the row's head's sink, folded last
+            sink = tl.load(sinks_ptr + kvh * GROUP + rows % GROUP, mask=row_ok,
+                           other=float("-inf"))
+            big_m, big_l, big_a = _fold(big_m, big_l, big_a, sink,
+                                        tl.full([BLOCK_M], 1.0, tl.float32),
+                                        tl.zeros([BLOCK_M, BLOCK_D], tl.float32))
         # Every valid row sees at least its own position, so big_l > 0.
         out = big_a / tl.where(big_l > 0, big_l, 1.0)[:, None]
         tl.store(out_ptr + flat_row[:, None] * HEAD_DIM + d[None, :],
@@ -209,9 +217,9 @@ def _load_state(acc_ptr, m_ptr, l_ptr, p, p_end, r, num_rows, d, d_ok, HEAD_DIM:
 @triton.jit(do_not_specialize=["num_rows", "window"],
             do_not_specialize_on_alignment=["positions_ptr"])
 def _merge_parts(
-    acc_ptr, m_ptr, l_ptr, out_ptr, positions_ptr, num_rows, num_parts, window,
+    acc_ptr, m_ptr, l_ptr, sinks_ptr, out_ptr, positions_ptr, num_rows, num_parts, window,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PART: tl.constexpr, WINDOW: tl.constexpr,
+    PART: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr,
 ):
     # One program per row of [T * H, D]: fold the parts its position can see, in order
     # (the same fold a single program makes; see the module docstring). Four parts' loads
@@ -241,6 +249,10 @@ def _merge_parts(
         big_m, big_l, big_a = _fold(big_m, big_l, big_a, m1, l1, a1)
         big_m, big_l, big_a = _fold(big_m, big_l, big_a, m2, l2, a2)
         big_m, big_l, big_a = _fold(big_m, big_l, big_a, m3, l3, a3)
+    if SINKS:  # the row's head's sink, folded last (as a single program does)
+        sink = tl.load(sinks_ptr + r % NUM_HEADS + tl.zeros([1], tl.int32))
+        big_m, big_l, big_a = _fold(big_m, big_l, big_a, sink, tl.full([1], 1.0, tl.float32),
+                                    tl.zeros([1, BLOCK_D], tl.float32))
     out = big_a / tl.where(big_l > 0, big_l, 1.0)[:, None]
     tl.store(out_ptr + r * HEAD_DIM + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=d_ok[None, :])
@@ -334,12 +346,14 @@ def paged_attention(
     scale: float,
     window: int | None,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, H, D] over a [2, blocks, page, Hkv, D] paged cache -> [T, H, D].
 
     block_tables [S, max_blocks], seq_lens [S] and query_start [S + 1] (int32 or int64) lay out
     the sequences as in AttentionMetadata, positions [T] each query token's position; their
-    K/V for this step are already in the cache.
+    K/V for this step are already in the cache. `sinks`: None, or float32 [H] on q's device,
+    one logit per query head joining each of its rows' softmax without a value.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, _, page, num_kv_heads, _ = kv_cache.shape
@@ -359,26 +373,31 @@ def paged_attention(
                           device=q.device)
         m = torch.empty((plan.num_parts, num_rows), dtype=torch.float32, device=q.device)
         lsum = torch.empty_like(m)
+    if sinks is not None and (sinks.shape != (num_heads,) or sinks.dtype != torch.float32
+                              or sinks.device != q.device or not sinks.is_contiguous()):
+        raise ValueError(f"sinks must be contiguous float32 [{num_heads}] on {q.device}")
     grid = (plan.work_seq.shape[0], num_kv_heads, plan.num_programs)
     _attend_part[grid](
         q, kv_cache[0], kv_cache[1], block_tables, seq_lens, query_start,
         plan.work_seq, plan.work_qoff,
         seq_lens if plan.real_lens is None else plan.real_lens,  # unread unless PADDED
+        seq_lens if sinks is None else sinks,  # unread unless SINKS
         out, acc, m, lsum,
         scale, softcap or 1.0, window or 0, num_rows, block_tables.shape[1],
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, GROUP=group,
         BLOCK_Q=plan.block_q, BLOCK_M=block_m, BLOCK_D=block_d, PAGE=page, BLOCK_N=BLOCK_N,
         PART=plan.part_keys, SOFTCAP=bool(softcap), WINDOW=bool(window), SINGLE_PART=single,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PADDED=plan.real_lens is not None,
+        PADDED=plan.real_lens is not None, SINKS=sinks is not None,
         # Big tiles (prefill rows x a 256-wide head) over more warps: fewer registers each.
         num_warps=8 if block_m * block_d >= 64 * 128 else 4,
         enable_fp_fusion=False,
     )
     if not single:
         _merge_parts[(num_rows,)](
-            acc, m, lsum, out, positions, num_rows, plan.num_parts, window or 0,
+            acc, m, lsum, seq_lens if sinks is None else sinks, out, positions, num_rows,
+            plan.num_parts, window or 0,
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=block_d, PART=plan.part_keys,
-            WINDOW=bool(window), enable_fp_fusion=False,
+            WINDOW=bool(window), SINKS=sinks is not None, enable_fp_fusion=False,
         )
     return out

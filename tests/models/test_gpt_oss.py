@@ -19,6 +19,7 @@ from loom import SamplingParams
 from loom.attention import AttentionMetadata, AttentionSpec
 from loom.attention.cpu_backend import CpuAttentionBackend
 from loom.attention.torch_backend import TorchAttentionBackend
+from loom.attention.triton_backend import triton_available
 from loom.errors import InvalidModelError, UnsupportedModelError
 from loom.kernels import cpu_kernels_available, paged_attention
 from loom.models.config import ModelConfig
@@ -42,6 +43,10 @@ def _cpu_kernel_has_sinks() -> bool:
 # The CPU backend reads decode rows with the C kernel, which takes sinks once it has them.
 BACKENDS = ["torch", pytest.param("cpu", marks=pytest.mark.skipif(
     not _cpu_kernel_has_sinks(), reason="the CPU attention kernel has no sinks"))]
+# The Triton kernels too where they compile (Triton's interpreter takes 5 s for the model:
+# on a CPU the backends' test below covers them).
+LOGITS_BACKENDS = [*BACKENDS, pytest.param("triton", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="Triton compiles on CUDA only"))]
 
 
 def _tiny_config():
@@ -98,7 +103,7 @@ def tiny(tmp_path_factory):
 # ---- the model against transformers -------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", LOGITS_BACKENDS)
 def test_chunked_prefill_and_decode_logits_equal_transformers(tiny, backend):
     """Every position's logits, from three prefill chunks (crossing blocks and windows) and
     then decodes, within PARITY_ATOL of transformers' float32 logits."""
@@ -106,17 +111,19 @@ def test_chunked_prefill_and_decode_logits_equal_transformers(tiny, backend):
     tokens = prompt + hf_greedy(hf, prompt, 6)
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0].float()
-    config, model = build_model(folder, dtype=torch.float32)
-    runner = ModelRunner(config, model, "cpu", torch.float32, 64, 4, attention_backend=backend)
+    device = "cuda" if backend == "triton" else "cpu"
+    config, model = build_model(folder, dtype=torch.float32, device=device)
+    runner = ModelRunner(config, model, device, torch.float32, 64, 4,
+                         attention_backend=backend)
     total, got = len(tokens), {}
     for lo, hi in ((0, 11), (11, 19), (19, PROMPT_LEN)):
         got[hi - 1] = runner.execute([chunk("a", tokens[lo:hi], lo, total, seq=0)])[0]
     for pos in range(PROMPT_LEN, total):
         got[pos] = runner.execute([chunk("a", [tokens[pos]], pos, total, seq=0)])[0]
-    worst = max(float((logits - ref[pos]).abs().max()) for pos, logits in got.items())
+    worst = max(float((logits.cpu() - ref[pos]).abs().max()) for pos, logits in got.items())
     assert worst <= PARITY_ATOL, worst
     # The fused decoder declines the model (sinks, biased router, clamped SwiGLU): modules.
-    if cpu_kernels_available():
+    if backend != "triton" and cpu_kernels_available():
         assert model.fused_decode_status == "attention sinks"
 
 
@@ -183,23 +190,34 @@ def _direct(q, keys, values, first_pos, scale, window, sinks):
     return out.float()
 
 
-@pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("backend_cls", [
-    TorchAttentionBackend,
-    pytest.param(CpuAttentionBackend, marks=pytest.mark.skipif(
+def _triton(split: bool):
+    def make():
+        from loom.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(split=split, part_keys=32)  # several parts a context
+    return pytest.param(make, id=f"triton-split-{split}", marks=pytest.mark.skipif(
+        not triton_available(), reason="no triton"))
+
+
+@pytest.mark.parametrize("window", [None, 5, 40])
+@pytest.mark.parametrize("make_backend", [
+    pytest.param(TorchAttentionBackend, id="torch"),
+    pytest.param(CpuAttentionBackend, id="cpu", marks=pytest.mark.skipif(
         not _cpu_kernel_has_sinks(), reason="the CPU attention kernel has no sinks")),
+    _triton(False), _triton(True),  # one program folds an item's parts / the merge does
 ])
-def test_sinks_equal_a_direct_softmax(backend_cls, window):
+def test_sinks_equal_a_direct_softmax(make_backend, window):
     """A prefill chunk after a cached prefix beside a decode, GQA, sinks of both signs."""
     torch.manual_seed(0)
     heads, kv_heads, dim, block = 4, 2, 16, 4
     sinks = torch.tensor([2.0, -1.0, 0.5, 4.0])
     spec = AttentionSpec(heads, kv_heads, dim, dim ** -0.5, sliding_window=window, sinks=sinks)
-    backend = backend_cls()
-    # Sequence 0: 6 cached tokens, a chunk of 7; sequence 1: 9 cached, one decode token.
-    lengths, chunks = [13, 10], [7, 1]
-    blocks = [[5, 0, 3, 7], [1, 6, 2]]
-    cache = torch.zeros(2, 8, block, kv_heads, dim)
+    backend = make_backend()
+    # Sequence 0: 38 cached tokens, a chunk of 7; sequence 1: 69 cached, one decode token.
+    lengths, chunks = [45, 70], [7, 1]
+    ids = torch.randperm(32).tolist()  # blocks in no order
+    blocks = [ids[:12], ids[12:30]]
+    cache = torch.zeros(2, 32, block, kv_heads, dim)
     keys = [torch.randn(n, kv_heads, dim) for n in lengths]
     values = [torch.randn(n, kv_heads, dim) for n in lengths]
     for seq, n in enumerate(lengths):  # the cached prefixes, in place
