@@ -11,9 +11,11 @@ import torch
 
 from loom.kernels.build import kernel_status, load_library
 from loom.kernels.cpu_ops import (
+    CLAMPED_SWIGLU_CODE,
     GATED_ACTIVATION_CODES,
     GGUF_C_BLOCK_TYPES,
     KV_CACHE_KERNEL_DTYPES,
+    MOE_SCORING_CODES,
     W4A8_MAX_SEGMENTS,
     W4A8_TYPES,
     argmax_logsumexp,
@@ -58,11 +60,13 @@ def elementwise_kernels(x: torch.Tensor, *params: torch.Tensor) -> ModuleType | 
 
 
 __all__ = [
+    "CLAMPED_SWIGLU_CODE",
     "CUDA_INVARIANT_ARITHMETIC",
     "GATED_ACTIVATION_CODES",
     "GGUF_C_BLOCK_TYPES",
     "KERNEL_ARITHMETIC",
     "KV_CACHE_KERNEL_DTYPES",
+    "MOE_SCORING_CODES",
     "W4A8_MAX_SEGMENTS",
     "W4A8_TYPES",
     "argmax_logsumexp",

@@ -118,8 +118,8 @@ SIGNATURES: dict[str, list[type]] = {
     "loom_w4a8_rows": [_i64, _ptr, _i64, _i64, _ptr, _i64, _ptr],
     "loom_linear_w4a8": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr],
     "loom_linear_w4a8_ref": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr],
-    "loom_gated_act": [_ptr, _i64, _i64, ctypes.c_int32, _ptr],
-    "loom_moe_route": [_ptr, _i64, _i64, _i64, ctypes.c_int32, _ptr, _ptr],
+    "loom_gated_act": [_ptr, _i64, _i64, ctypes.c_int32, _f32, _f32, _ptr],
+    "loom_moe_route": [_ptr, _i64, _i64, _i64, ctypes.c_int32, ctypes.c_int32, _ptr, _ptr],
     "loom_moe_ffn": [_ptr, _ptr, _i64, _ptr],
 }
 # Functions that return a value (the others return void).

@@ -368,41 +368,58 @@ def linear_w4a8(x: torch.Tensor, segments: list[tuple[int, torch.Tensor, int]],
 
 
 # The gated activations of the C kernels (`gated_act_row` in cpu/decoder_layer.c): name ->
-# the code the fused decoder's layers and the MoE block carry.
+# the code the fused decoder's layers and the MoE block carry. Code CLAMPED_SWIGLU_CODE is
+# gpt-oss's clamped SwiGLU, which also carries its alpha and limit.
 GATED_ACTIVATION_CODES: dict[str, int] = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_tanh": 1}
+CLAMPED_SWIGLU_CODE = 2
 
 
-def gated_act(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(gate) * up of each row gate_up [M, 2 * I] = gate | up -> [M, I] float32: the code
-    the fused decoder's feed-forward blocks and the MoE block run (the tests' oracle)."""
+def gated_act(gate_up: torch.Tensor, activation: str | tuple[float, float]) -> torch.Tensor:
+    """act(gate, up) of each row gate_up [M, 2 * I] = gate | up -> [M, I] float32: the code
+    the fused decoder's feed-forward blocks and the MoE block run (the tests' oracle).
+    `activation`: a name of GATED_ACTIVATION_CODES (act(gate) * up), or (alpha, limit) of
+    the clamped SwiGLU."""
     _check(gate_up, "gate_up", torch.float32)
-    if activation not in GATED_ACTIVATION_CODES:
+    if isinstance(activation, tuple):
+        code, (alpha, limit) = CLAMPED_SWIGLU_CODE, activation
+    elif activation in GATED_ACTIVATION_CODES:
+        code, alpha, limit = GATED_ACTIVATION_CODES[activation], 0.0, 0.0
+    else:
         raise ValueError(f"activation {activation!r} is not one of "
-                         f"{sorted(GATED_ACTIVATION_CODES)}")
+                         f"{sorted(GATED_ACTIVATION_CODES)} or (alpha, limit)")
     m, width = gate_up.shape
     if width % 2:
         raise ValueError(f"gate_up has an odd width {width}")
     out = torch.empty((m, width // 2), dtype=torch.float32)
-    _lib().loom_gated_act(gate_up.data_ptr(), m, width // 2,
-                          GATED_ACTIVATION_CODES[activation], out.data_ptr())
+    _lib().loom_gated_act(gate_up.data_ptr(), m, width // 2, code, alpha, limit,
+                          out.data_ptr())
     return out
 
 
-def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool,
+# How the C MoE block scores router logits (`scoring` of loom.models.moe.SparseMoE -> the
+# code of cpu/moe.c's moe_route_row).
+MOE_SCORING_CODES: dict[str, int] = {"softmax": 0, "topk_softmax": 1}
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool, scoring: str = "softmax",
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, top_k] float32, experts [T, top_k] int64) of router logits [T, E]
-    float32, as the C MoE block routes: softmax in float32, the top_k experts by probability
-    (ties to the lower index), their probabilities as weights, divided by their sum (added
-    in slot order) when `renormalize`."""
+    float32, as the C MoE block routes. "softmax": softmax in float32, the top_k experts by
+    probability (ties to the lower index), their probabilities as weights, divided by their
+    sum (added in slot order) when `renormalize`; "topk_softmax": the top_k experts by logit
+    (ties to the lower index), weights the softmax of those k logits."""
     _check(logits, "logits", torch.float32)
     if logits.dim() != 2:
         raise ValueError(f"logits must be [T, E], got {tuple(logits.shape)}")
     t, e = logits.shape
     if not 0 < top_k <= e:
         raise ValueError(f"top_k {top_k} outside 1..{e} experts")
+    if scoring not in MOE_SCORING_CODES:
+        raise ValueError(f"scoring {scoring!r} is not one of {sorted(MOE_SCORING_CODES)}")
     weights = torch.empty((t, top_k), dtype=torch.float32)
     experts = torch.empty((t, top_k), dtype=torch.int64)
     if t:
         _lib().loom_moe_route(logits.data_ptr(), t, e, top_k, int(renormalize),
-                              weights.data_ptr(), experts.data_ptr())
+                              MOE_SCORING_CODES[scoring], weights.data_ptr(),
+                              experts.data_ptr())
     return weights, experts

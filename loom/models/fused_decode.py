@@ -3,9 +3,9 @@
 A decode step computes one token per sequence; in eager PyTorch its cost on a CPU is mostly
 per-operation overhead (about 25 small ops per layer, each waking the thread pool). When
 every layer of a model has the supported shape (pre-norm or Gemma's sandwich norms, stacked
-q/k/v and gate/up projections, float32 or int8 weights, rotate-half RoPE, SiLU or
-tanh-GELU, no attention sinks; the feed-forward block a gated MLP or a mixture of experts of
-them routed by a softmax over a router without bias, which runs as cpu/moe.c's block) and
+q/k/v and gate/up projections, float32 or int8 weights, rotate-half RoPE, SiLU, tanh-GELU
+or gpt-oss's clamped SwiGLU, attention sinks or none; the feed-forward block a gated MLP or
+a mixture of experts of them, which runs as cpu/moe.c's block) and
 the KV cache is float32 or float16 on the CPU, `FusedDecoder` runs all layers in a single
 call into Loom's C kernels (one OpenMP parallel region for the whole step), with the same
 kernels the modules call one by one.
@@ -32,14 +32,16 @@ from torch import nn
 
 from loom.attention import AttentionMetadata
 from loom.kernels import (
+    CLAMPED_SWIGLU_CODE,
     GATED_ACTIVATION_CODES,
     KV_CACHE_KERNEL_DTYPES,
+    MOE_SCORING_CODES,
     W4A8_MAX_SEGMENTS,
     cpu_kernels_available,
     load_library,
     use_cpu_kernels,
 )
-from loom.models.layers import GatedMLP, Linear, RMSNorm, SelfAttention
+from loom.models.layers import ClampedSwiGLU, GatedMLP, Linear, RMSNorm, SelfAttention
 from loom.models.quant import Int8Linear
 from loom.models.w4a8 import W4A8Linear
 
@@ -71,6 +73,8 @@ class _LayerDesc(ctypes.Structure):
         ("pre_ffn_norm", ctypes.c_void_p), ("post_ffn_norm", ctypes.c_void_p),
         ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
         ("moe", ctypes.c_void_p),  # a _MoEDesc, or None: the dense gate_up / down
+        ("sinks", ctypes.c_void_p),  # float32 [heads], or None: no attention sinks
+        ("act_alpha", ctypes.c_float), ("act_limit", ctypes.c_float),
     ]
 
 
@@ -83,6 +87,8 @@ class _MoEDesc(ctypes.Structure):
         ("hidden", ctypes.c_int64), ("intermediate", ctypes.c_int64),
         ("renormalize", ctypes.c_int32), ("activation", ctypes.c_int32),
         ("router", ctypes.c_void_p), ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
+        ("router_bias", ctypes.c_void_p), ("scoring", ctypes.c_int32),
+        ("act_alpha", ctypes.c_float), ("act_limit", ctypes.c_float),
     ]
 
 
@@ -144,11 +150,16 @@ def _norm(module: Any, keep: list[Any]) -> tuple[int | None, float, float]:
     return _f32(module.weight.data, keep), (1.0 if module.gemma else 0.0), module.eps
 
 
-def _activation(module: nn.Module) -> int:
-    code = GATED_ACTIVATION_CODES.get(module.activation)
+def _activation(module: nn.Module) -> tuple[int, float, float]:
+    """(code, alpha, limit) of a gated MLP's or block's activation (cpu/decoder_layer.c's
+    GatedAct): a name of GATED_ACTIVATION_CODES, or gpt-oss's clamped SwiGLU."""
+    activation = module.activation
+    if isinstance(activation, ClampedSwiGLU):
+        return CLAMPED_SWIGLU_CODE, activation.alpha, activation.limit
+    code = GATED_ACTIVATION_CODES.get(activation) if isinstance(activation, str) else None
     if code is None:
-        raise _Unsupported(f"activation {module.activation!r}")
-    return code
+        raise _Unsupported(f"activation {activation!r}")
+    return code, 0.0, 0.0
 
 
 def is_sparse_moe(module: object) -> bool:
@@ -167,11 +178,10 @@ def describe_moe(moe: nn.Module, keep: list[Any]) -> _MoEDesc:
     if not isinstance(router, torch.Tensor) or router.shape != (moe.num_experts,
                                                                  moe.hidden_size):
         raise _Unsupported("the router has no [experts, hidden] weight")
-    # cpu/moe.c routes by softmax over every expert, then the top k, with no router bias.
-    if getattr(moe.gate, "bias", None) is not None:
-        raise _Unsupported("the router has a bias")
-    if getattr(moe, "scoring", "softmax") != "softmax":
+    scoring = MOE_SCORING_CODES.get(getattr(moe, "scoring", "softmax"))
+    if scoring is None:
         raise _Unsupported(f"routing by {moe.scoring!r}")
+    router_bias = getattr(moe.gate, "bias", None)
     experts = list(moe.experts)
     if len(experts) != moe.num_experts:
         raise _Unsupported(f"{len(experts)} expert modules for {moe.num_experts} experts")
@@ -195,11 +205,14 @@ def describe_moe(moe: nn.Module, keep: list[Any]) -> _MoEDesc:
     gate_up_array = (_LinearDesc * len(gate_up))(*gate_up)
     down_array = (_LinearDesc * len(down))(*down)
     keep += [gate_up_array, down_array]
+    code, alpha, limit = _activation(moe)
     desc = _MoEDesc(
         num_experts=moe.num_experts, top_k=moe.top_k, hidden=moe.hidden_size,
         intermediate=widths.pop(), renormalize=int(bool(moe.renormalize)),
-        activation=_activation(moe), router=_f32(router.data, keep),
+        activation=code, router=_f32(router.data, keep),
         gate_up=ctypes.addressof(gate_up_array), down=ctypes.addressof(down_array),
+        router_bias=_f32(None if router_bias is None else router_bias.data, keep),
+        scoring=scoring, act_alpha=alpha, act_limit=limit,
     )
     keep.append(desc)  # the layer descriptor (or MoEKernel) points at it
     return desc
@@ -214,9 +227,7 @@ def _describe(layer: nn.Module, keep: list[Any]) -> _LayerDesc:
         raise _Unsupported(f"{type(layer).__name__} has no fused decode layout")
     if attn.qkv_proj is None or (not moe and mlp.gate_up_proj is None):
         raise _Unsupported("projections are not stacked (run fuse_projections first)")
-    if attn.sinks is not None:  # the layer kernel attends without them
-        raise _Unsupported("attention sinks")
-    activation = _activation(mlp)
+    code, alpha, limit = _activation(mlp)
     if moe:  # the experts replace gate_up / down (left zero: never read)
         moe_desc = describe_moe(mlp, keep)
         intermediate, gate_up, down = moe_desc.intermediate, _LinearDesc(), _LinearDesc()
@@ -236,7 +247,7 @@ def _describe(layer: nn.Module, keep: list[Any]) -> _LayerDesc:
     return _LayerDesc(
         hidden=attn.o_proj.out_features, heads=spec.num_heads, kv_heads=spec.num_kv_heads,
         head_dim=spec.head_dim, intermediate=intermediate,
-        eps=epsilons.pop(), norm_offset=offsets.pop(), activation=activation,
+        eps=epsilons.pop(), norm_offset=offsets.pop(), activation=code,
         sandwich_norms=int(sandwich), attn_scale=spec.scale, softcap=spec.logit_softcap or 0.0,
         window=spec.sliding_window or 0,
         qkv=_linear(attn.qkv_proj, keep), o=_linear(attn.o_proj, keep),
@@ -246,6 +257,8 @@ def _describe(layer: nn.Module, keep: list[Any]) -> _LayerDesc:
         post_ffn_norm=norms.get("post_ffn", (None,))[0],
         q_norm=q_norm[0], k_norm=k_norm[0],
         moe=None if moe_desc is None else ctypes.addressof(moe_desc),
+        sinks=_f32(None if attn.sinks is None else attn.sinks.data, keep),
+        act_alpha=alpha, act_limit=limit,
     )
 
 

@@ -28,6 +28,7 @@ from loom.kernels import (
     w4a8_pack,
 )
 from loom.kernels.build import runnable_variants, use_variant
+from loom.models.layers import ClampedSwiGLU
 from loom.models.moe import SparseMoE, combine_slots, route_topk
 from loom.models.moe_kernel import MoEKernel
 from loom.models.quant import Int8Linear
@@ -58,23 +59,37 @@ def _w4a8_experts(moe: SparseMoE, gate_type: int, down_type: int, seed: int) -> 
     for expert in moe.experts:
         expert.fuse()
         expert.gate_up_proj = W4A8Linear(
-            h, [(gate_type, i), (gate_type, i)],
+            h, [(gate_type, i), (gate_type, i)], expert.gate_up_proj.bias,
             packed=[packed(gate_type, i, h), packed(gate_type, i, h)])
-        expert.down_proj = W4A8Linear(i, [(down_type, h)], packed=[packed(down_type, h, i)])
+        expert.down_proj = W4A8Linear(i, [(down_type, h)], expert.down_proj.bias,
+                                      packed=[packed(down_type, h, i)])
 
 
 def make_moe(mode: str, num_experts: int = 8, top_k: int = 2, renormalize: bool = True,
              activation: str = "silu", hidden: int = HIDDEN, inter: int = INTER,
-             seed: int = 0, router: Callable[[torch.Tensor], None] | None = None) -> SparseMoE:
+             seed: int = 0, router: Callable[[torch.Tensor], None] | None = None,
+             gpt_oss: bool = False) -> SparseMoE:
     """A SparseMoE of random weights prepared as `mode` prepares experts; `router` edits the
     router's weight [E, H] in place (None: random, scaled so that margins decide the top
-    k)."""
+    k). `gpt_oss`: gpt-oss's block (top-k logits then their softmax, a router bias, biased
+    experts gated by the clamped SwiGLU; `activation` ignored)."""
     torch.manual_seed(seed)
-    moe = SparseMoE(hidden, inter, num_experts, top_k, renormalize, activation)
+    if gpt_oss:
+        moe = SparseMoE(hidden, inter, num_experts, top_k, True, ClampedSwiGLU(1.702, 7.0),
+                        scoring="topk_softmax", router_bias=True, expert_bias=True)
+    else:
+        moe = SparseMoE(hidden, inter, num_experts, top_k, renormalize, activation)
     for expert in moe.experts:
         for proj in (expert.gate_proj, expert.up_proj, expert.down_proj):
-            torch.nn.init.normal_(proj.weight, std=proj.in_features ** -0.5)
+            # gpt-oss's gate/up larger: the clamp at 7 bites on some values
+            std = proj.in_features ** -0.5 * (6.0 if gpt_oss and proj is not
+                                              expert.down_proj else 1.0)
+            torch.nn.init.normal_(proj.weight, std=std)
+            if proj.bias is not None:
+                torch.nn.init.normal_(proj.bias, std=0.5)
     torch.nn.init.normal_(moe.gate.weight, std=hidden ** -0.5)
+    if moe.gate.bias is not None:
+        torch.nn.init.normal_(moe.gate.bias, std=0.5)
     if router is not None:
         with torch.no_grad():
             router(moe.gate.weight)
@@ -115,13 +130,16 @@ def oracle(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     """The block composed one (token, slot) at a time: C routing of the float32 router's
     logits, the chosen expert's gate_up on that one row, the C activation, down, and the
     slot-order sum in torch (multiplies, then adds: no FMA, as the C build)."""
-    weights, experts = moe_route(linear_f32(x, moe.gate.weight, None), moe.top_k,
-                                 moe.renormalize)
+    weights, experts = moe_route(linear_f32(x, moe.gate.weight, moe.gate.bias), moe.top_k,
+                                 moe.renormalize, moe.scoring)
+    activation = moe.activation
+    if isinstance(activation, ClampedSwiGLU):
+        activation = (activation.alpha, activation.limit)
     slots = torch.empty(x.shape[0], moe.top_k, moe.hidden_size)
     for t in range(x.shape[0]):
         for s in range(moe.top_k):
             expert = moe.experts[int(experts[t, s])]
-            act = gated_act(_one_layer(expert.gate_up_proj, x[t:t + 1]), moe.activation)
+            act = gated_act(_one_layer(expert.gate_up_proj, x[t:t + 1]), activation)
             slots[t, s] = _one_layer(expert.down_proj, act)[0]
     return combine_slots(slots, weights)
 
@@ -205,6 +223,35 @@ def test_gelu_block_equals_the_oracle(mode: str) -> None:
     moe = make_moe(mode, activation="gelu_pytorch_tanh", top_k=3, seed=4)
     x = _tokens(6, seed=5)
     assert torch.equal(kernel_of(moe)(x), oracle(moe, x))
+
+
+@each_variant
+@pytest.mark.parametrize("mode", MODES)
+def test_gpt_oss_block_equals_the_oracle_and_the_modules(mode: str) -> None:
+    """gpt-oss's routing (the top k logits of a biased router, then their softmax), biased
+    experts and the clamped SwiGLU: the C block equals the row-by-row oracle bit for bit and
+    the torch modules to rounding (float32: to float error)."""
+    moe = make_moe(mode, num_experts=6, top_k=3, gpt_oss=True, seed=6)
+    x = _tokens(7, seed=8) * 2
+    got = kernel_of(moe)(x)
+    assert torch.equal(got, oracle(moe, x))
+    ref = moe.forward_modules(x)
+    if mode == "float32":
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+    else:
+        assert (got - ref).abs().max() <= 0.02 * ref.abs().max()
+    if not mode.startswith("w4a8"):  # (w4a8's experts are random file blocks instead)
+        pre = torch.cat([_one_layer(e.gate_up_proj, x) for e in moe.experts])
+        assert (pre[:, :INTER] > 7).any() and (pre[:, INTER:].abs() > 7).any()  # clamped
+
+
+def test_topk_softmax_routing_takes_the_top_logits_then_their_softmax() -> None:
+    logits = torch.tensor([[0.5, 2.0, 2.0, -1.0, 1.0], [3.0, 0.0, 0.0, 0.0, 0.0]])
+    weights, experts = moe_route(logits, 3, False, "topk_softmax")
+    assert experts.tolist() == [[1, 2, 4], [0, 1, 2]]  # ties to the lower index
+    torch.testing.assert_close(weights, logits.gather(1, experts).softmax(-1))
+    with pytest.raises(ValueError, match="scoring"):
+        moe_route(logits, 2, False, "sigmoid")
 
 
 def _dominant_expert(weight: torch.Tensor) -> None:

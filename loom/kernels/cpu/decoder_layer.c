@@ -28,7 +28,7 @@ typedef struct MoEWork MoEWork;
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, intermediate;
     float eps, norm_offset;
-    int32_t activation;     /* 0 silu, 1 gelu with the tanh approximation */
+    int32_t activation;     /* GatedAct codes: 0 silu, 1 tanh-GELU, 2 clamped SwiGLU */
     int32_t sandwich_norms; /* 1: x + norm(attn), x + norm(mlp); 0: x + attn, x + mlp */
     float attn_scale, softcap; /* softcap 0 = off */
     int64_t window;            /* 0 = full attention */
@@ -36,6 +36,8 @@ typedef struct {
     const float *input_norm, *post_attn_norm, *pre_ffn_norm, *post_ffn_norm;
     const float *q_norm, *k_norm; /* NULL: no QK norm */
     const LoomMoE *moe;           /* NULL: the dense gated MLP */
+    const float *sinks;           /* NULL, or [heads]: attention sinks (attention.c) */
+    float act_alpha, act_limit;   /* the clamped SwiGLU's (activation 2) */
 } LoomDecoderLayer;
 
 /* moe.c: the block body (every thread of the region calls it; y may be x) and its workspace
@@ -71,10 +73,18 @@ static inline float gelu_tanh(float v) {
     return 0.5f * v * (1.0f + tanhf(c * (v + 0.044715f * v * v * v)));
 }
 
-/* act(g) * u for 8 lanes: act 1 = tanh-GELU (tanh(y) = 1 - 2 / (exp(2y) + 1)), else SiLU. */
-static inline __m256 gated_act256(__m256 g, __m256 u, int activation) {
+/* A gated activation a = act(g, u) as the kernels run it: code 0 SiLU(g) * u, 1 tanh-GELU(g)
+ * * u, 2 gpt-oss's clamped SwiGLU: g' = min(g, limit), u' = clamp(u, -limit, limit),
+ * a = (u' + 1) * (g' * sigmoid(alpha * g')) (alpha, limit unused by codes 0 and 1). */
+typedef struct {
+    int32_t code;
+    float alpha, limit;
+} GatedAct;
+
+/* act(g, u) for 8 lanes: tanh(y) = 1 - 2 / (exp(2y) + 1); x * sigmoid(y) = x / (1 + exp(-y)). */
+static inline __m256 gated_act256(__m256 g, __m256 u, GatedAct act) {
     const __m256 one = _mm256_set1_ps(1.0f);
-    if (activation == 1) {
+    if (act.code == 1) {
         const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
         __m256 y = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
                                  _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), g3, g));
@@ -85,30 +95,49 @@ static inline __m256 gated_act256(__m256 g, __m256 u, int activation) {
         return _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g),
                                            _mm256_add_ps(one, t)), u);
     }
+    if (act.code == 2) {
+        const __m256 lim = _mm256_set1_ps(act.limit);
+        g = _mm256_min_ps(g, lim);
+        u = _mm256_max_ps(_mm256_min_ps(u, lim), _mm256_sub_ps(_mm256_setzero_ps(), lim));
+        const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(),
+                                              _mm256_mul_ps(g, _mm256_set1_ps(act.alpha))));
+        return _mm256_mul_ps(_mm256_add_ps(u, one), _mm256_div_ps(g, _mm256_add_ps(one, e)));
+    }
     const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
     return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), u);
 }
 
-/* a[j] = act(g[j]) * u[j] for one row of `inter` values: gated_act256 on 8 lanes at a time,
+/* gated_act256 for one value (the rows' tails). */
+static inline float gated_act1(float g, float u, GatedAct act) {
+    if (act.code == 1) return gelu_tanh(g) * u;
+    if (act.code == 2) {
+        g = g < act.limit ? g : act.limit;
+        u = u < act.limit ? (u > -act.limit ? u : -act.limit) : act.limit;
+        return (u + 1.0f) * (g / (1.0f + expf(-(g * act.alpha))));
+    }
+    return g / (1.0f + expf(-g)) * u;
+}
+
+/* a[j] = act(g[j], u[j]) for one row of `inter` values: gated_act256 on 8 lanes at a time,
  * then the scalar tail. The one activation code of the dense FFN, the experts and
  * `loom_gated_act` (so all give the same bits). */
-static inline void gated_act_row(const float *g, const float *u, int64_t inter, int activation,
+static inline void gated_act_row(const float *g, const float *u, int64_t inter, GatedAct act,
                                  float *a) {
     int64_t j = 0;
     for (; j + 8 <= inter; j += 8)
         _mm256_storeu_ps(a + j, gated_act256(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j),
-                                             activation));
-    for (; j < inter; j++)
-        a[j] = (activation == 1 ? gelu_tanh(g[j]) : g[j] / (1.0f + expf(-g[j]))) * u[j];
+                                             act));
+    for (; j < inter; j++) a[j] = gated_act1(g[j], u[j], act);
 }
 
 /* out[r] = act(gate) * up of each row gu[r] = gate | up ([m, 2 * inter] -> [m, inter]): the
  * activation the fused decoder and the MoE block run (the tests' oracle composes with it). */
 LOOM_EXPORT void loom_gated_act(const float *gu, int64_t m, int64_t inter, int32_t activation,
-                                float *out) {
+                                float alpha, float limit, float *out) {
+    const GatedAct act = {activation, alpha, limit};
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < m; r++)
-        gated_act_row(gu + r * 2 * inter, gu + r * 2 * inter + inter, inter, activation,
+        gated_act_row(gu + r * 2 * inter, gu + r * 2 * inter + inter, inter, act,
                       out + r * inter);
 }
 
@@ -163,7 +192,7 @@ static void decode_layer_body(const LoomDecoderLayer *L, float *x, int64_t m, co
     }
     attention_body(ws->q_rot, q_start, k_cache, v_cache, block_tables, max_blocks, seq_lens,
                    L->heads, L->kv_heads, d, block_size, L->window, L->attn_scale, L->softcap,
-                   NULL, plan, ws->attn, f16);
+                   L->sinks, plan, ws->attn, f16);
     linear_any_body(&L->o, ws->attn, m, ws->h, &ws->quant);
     add_block_output(L, L->post_attn_norm, ws->h, x, m);
 
@@ -176,7 +205,8 @@ static void decode_layer_body(const LoomDecoderLayer *L, float *x, int64_t m, co
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; r++)
             gated_act_row(ws->gu + r * 2 * inter, ws->gu + r * 2 * inter + inter, inter,
-                          L->activation, ws->act + r * inter);
+                          (GatedAct){L->activation, L->act_alpha, L->act_limit},
+                          ws->act + r * inter);
         linear_any_body(&L->down, ws->act, m, ws->h, &ws->quant);
     }
     add_block_output(L, L->post_ffn_norm, ws->h, x, m);

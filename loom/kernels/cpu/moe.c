@@ -5,12 +5,13 @@
  *
  * For the rows x [m, hidden] of a step:
  *
- *   logits  = x @ router.T                      f32_body: a row's logits are the same bits
+ *   logits  = x @ router.T (+ router_bias)      f32_body: a row's logits are the same bits
  *                                               in any call (the module path's Router too)
  *   p       = softmax(logits)                   float32: max, expf(l - max), their sum in
  *                                               index order, p = e / sum
  *   experts = the top_k of p, ties to the lower index
  *   weights = p[experts] (/ their sum, added in slot order, when renormalize)
+ *   (gpt-oss, MOE_TOPK_SOFTMAX: experts = the top_k logits, weights = their softmax)
  *   y[t]    = ((y_0 * w_0) + y_1 * w_1) + ...   y_s = expert s's gated MLP of x[t], added in
  *                                               slot order (a multiply, then an add: no FMA)
  *
@@ -34,11 +35,19 @@
  * down [hidden, intermediate]; the router float32 [num_experts, hidden]. */
 struct LoomMoE {
     int64_t num_experts, top_k, hidden, intermediate;
-    int32_t renormalize, activation; /* activation: 0 silu, 1 tanh-GELU (as the dense FFN) */
+    int32_t renormalize, activation; /* activation: a GatedAct code (as the dense FFN) */
     const float *router;
     const LoomLinear *gate_up;
     const LoomLinear *down;
+    const float *router_bias; /* [num_experts] or NULL */
+    int32_t scoring;          /* MOE_SOFTMAX or MOE_TOPK_SOFTMAX (moe_route_row) */
+    float act_alpha, act_limit;
 };
+
+/* How router logits become (experts, weights): a softmax over every expert, then the top k
+ * of it; or the top k logits, then a softmax over those k (gpt-oss). */
+#define MOE_SOFTMAX 0
+#define MOE_TOPK_SOFTMAX 1
 
 /* The buffers of one block call, sized once per call (a step) for m tokens of the largest
  * block; shared by every thread of the region. Rows "grouped" are the m * top_k (token,
@@ -101,21 +110,28 @@ static MoEWork *moe_work_for_layers(const LoomDecoderLayer *layers, int64_t num_
     return e ? moe_work_new(m, e, k, hidden, inter) : NULL;
 }
 
-/* One row's routing: p [e] = softmax(logits) (p may be logits: each element is read before
- * it is written), then the top k by p, ties to the lower index, into experts [k] and
- * weights [k]. Selection walks the order (p descending, index ascending) one step per slot:
- * slot s takes the first expert after slot s - 1's in that order, so no marks are needed.
- * A NaN logit makes every p NaN; the experts then stay valid indices (0). */
+/* One row's routing. MOE_SOFTMAX: p [e] = softmax(logits) (p may be logits: each element is
+ * read before it is written), then the top k by p, ties to the lower index, into experts [k]
+ * and weights [k] (divided by their sum, added in slot order, when renormalize).
+ * MOE_TOPK_SOFTMAX: the top k by logit, ties to the lower index, then weights = the softmax of
+ * those k logits (max = the first, expf(l - max) summed in slot order; p is the logits).
+ * Selection walks the order (value descending, index ascending) one step per slot: slot s
+ * takes the first expert after slot s - 1's in that order, so no marks are needed. A NaN
+ * logit makes every weight NaN; the experts then stay valid indices (0). */
 static void moe_route_row(const float *logits, float *p, int64_t e, int64_t k, int renormalize,
-                          float *weights, int64_t *experts) {
-    float mx = logits[0];
-    for (int64_t j = 1; j < e; j++) mx = logits[j] > mx ? logits[j] : mx;
-    float sum = 0.0f;
-    for (int64_t j = 0; j < e; j++) {
-        p[j] = expf(logits[j] - mx);
-        sum += p[j];
+                          int scoring, float *weights, int64_t *experts) {
+    if (scoring == MOE_SOFTMAX) {
+        float mx = logits[0];
+        for (int64_t j = 1; j < e; j++) mx = logits[j] > mx ? logits[j] : mx;
+        float sum = 0.0f;
+        for (int64_t j = 0; j < e; j++) {
+            p[j] = expf(logits[j] - mx);
+            sum += p[j];
+        }
+        for (int64_t j = 0; j < e; j++) p[j] = p[j] / sum;
+    } else {
+        p = (float *)logits;
     }
-    for (int64_t j = 0; j < e; j++) p[j] = p[j] / sum;
     int64_t prev = -1;
     for (int64_t s = 0; s < k; s++) {
         int64_t best = -1;
@@ -126,7 +142,15 @@ static void moe_route_row(const float *logits, float *p, int64_t e, int64_t k, i
         if (best < 0) best = 0;
         experts[s] = best, weights[s] = p[best], prev = best;
     }
-    if (renormalize) {
+    if (scoring == MOE_TOPK_SOFTMAX) {
+        const float mx = weights[0];
+        float total = 0.0f;
+        for (int64_t s = 0; s < k; s++) {
+            weights[s] = expf(weights[s] - mx);
+            total += weights[s];
+        }
+        for (int64_t s = 0; s < k; s++) weights[s] = weights[s] / total;
+    } else if (renormalize) {
         float total = weights[0];
         for (int64_t s = 1; s < k; s++) total += weights[s];
         for (int64_t s = 0; s < k; s++) weights[s] = weights[s] / total;
@@ -228,13 +252,14 @@ static void moe_block_body(const LoomMoE *moe, const float *x, int64_t m, float 
                            const MoEWork *w) {
     const int64_t ne = moe->num_experts, k = moe->top_k, hid = moe->hidden;
     const int64_t inter = moe->intermediate, pairs = m * k;
+    const GatedAct act = {moe->activation, moe->act_alpha, moe->act_limit};
 
     /* Route every token. */
-    f32_body(x, m, hid, moe->router, NULL, ne, w->logits);
+    f32_body(x, m, hid, moe->router, moe->router_bias, ne, w->logits);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < m; t++)
         moe_route_row(w->logits + t * ne, w->logits + t * ne, ne, k, moe->renormalize,
-                      w->weights + t * k, w->experts + t * k);
+                      moe->scoring, w->weights + t * k, w->experts + t * k);
 
     /* Group the pairs by expert (a counting sort: pairs in index order keep tokens
      * ascending within an expert); one thread, the result shared after the barrier. */
@@ -268,7 +293,7 @@ static void moe_block_body(const LoomMoE *moe, const float *x, int64_t m, float 
             const int64_t e = w->active[i], r = w->start[e];
             float *g = w->gu + r * 2 * inter;
             moe_w4_row_alone(&moe->gate_up[e], &w->x1, g);
-            gated_act_row(g, g + inter, inter, moe->activation, w->act + r * inter);
+            gated_act_row(g, g + inter, inter, act, w->act + r * inter);
             moe_quantize_row(&moe->down[e], w->act + r * inter, r, inter, &w->quant);
             const QuantBuffers qe = quant_rows_at(&w->quant, r, inter);
             moe_w4_row_alone(&moe->down[e], &qe, w->xg + r * hid);
@@ -292,7 +317,7 @@ static void moe_block_body(const LoomMoE *moe, const float *x, int64_t m, float 
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < pairs; r++) {
             const float *g = w->gu + r * 2 * inter;
-            gated_act_row(g, g + inter, inter, moe->activation, w->act + r * inter);
+            gated_act_row(g, g + inter, inter, act, w->act + r * inter);
             moe_quantize_row(&moe->down[w->experts[w->pair[r]]], w->act + r * inter, r, inter,
                              &w->quant);
         }
@@ -324,13 +349,15 @@ static void moe_block_body(const LoomMoE *moe, const float *x, int64_t m, float 
 }
 
 /* weights [m, k] and experts [m, k] of the router logits [m, e], routed as the block routes
- * (softmax, top k with ties to the lower index, renormalised when asked). */
+ * (moe_route_row: `scoring` MOE_SOFTMAX or MOE_TOPK_SOFTMAX, ties to the lower index,
+ * renormalised when asked). */
 LOOM_EXPORT void loom_moe_route(const float *logits, int64_t m, int64_t e, int64_t k,
-                                int32_t renormalize, float *weights, int64_t *experts) {
+                                int32_t renormalize, int32_t scoring, float *weights,
+                                int64_t *experts) {
     float *p = (float *)malloc((size_t)(m * e) * sizeof(float));
 #pragma omp parallel for schedule(static) if (m > 8)
     for (int64_t t = 0; t < m; t++)
-        moe_route_row(logits + t * e, p + t * e, e, k, renormalize, weights + t * k,
+        moe_route_row(logits + t * e, p + t * e, e, k, renormalize, scoring, weights + t * k,
                       experts + t * k);
     free(p);
 }
