@@ -246,7 +246,7 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # GGML block types `dequantize_gguf_blocks` decodes in C: type id -> (bytes, values) a block.
 GGUF_C_BLOCK_TYPES: dict[int, tuple[int, int]] = {
     2: (18, 32), 3: (20, 32), 6: (22, 32), 7: (24, 32), 8: (34, 32), 12: (144, 256),
-    13: (176, 256), 14: (210, 256),
+    13: (176, 256), 14: (210, 256), 39: (17, 32),
 }
 
 
@@ -276,7 +276,7 @@ def dequantize_gguf_blocks(raw: np.ndarray, type_id: int, out: torch.Tensor) -> 
 # a matrix's rows are not whole super-blocks) in records of one block.
 W4A8_TYPES: dict[int, tuple[int, int]] = {
     12: (1216, 256), 13: (2240, 256), 14: (2208, 256),
-    2: (160, 32), 3: (192, 32), 6: (288, 32), 7: (320, 32), 8: (288, 32),
+    2: (160, 32), 3: (192, 32), 6: (288, 32), 7: (320, 32), 8: (288, 32), 39: (160, 32),
 }
 W4A8_GROUP = 8
 W4A8_MAX_SEGMENTS = 4  # W4_MAX_SEGMENTS in cpu/w4a8_kquants.c

@@ -14,9 +14,10 @@ from loom.kernels import GGUF_C_BLOCK_TYPES, cpu_kernels_available, dequantize_g
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no CPU kernels here")
 
-# Byte offsets of each block type's float16 fields (the rest is any byte at all).
+# Byte offsets of each block type's float16 fields (the rest is any byte at all: MXFP4's
+# E8M0 scale byte takes every value, subnormal and overflowing scales included).
 _F16_FIELDS = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2],
-               14: [208]}
+               14: [208], 39: []}
 
 
 def _random_blocks(type_id: int, blocks: int, seed: int) -> np.ndarray:

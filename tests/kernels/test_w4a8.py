@@ -1,7 +1,8 @@
 """The w4a8 kernel (GGUF blocks: the K-quants Q4_K / Q5_K / Q6_K and the blocks of 32 Q4_0 /
-Q4_1 / Q5_0 / Q5_1 / Q8_0, times int8 activations) against its plain-C oracle, on every kernel
-variant this CPU runs: the same bits for any number of rows, any stacking of segments, any
-position of a row in the call; the packed weights are the file's values bit for bit; the
+Q4_1 / Q5_0 / Q5_1 / Q8_0 / MXFP4, times int8 activations) against its plain-C oracle, on
+every kernel variant this CPU runs: the same bits for any number of rows, any stacking of
+segments, any position of a row in the call; the packed weights are the file's values bit for
+bit; the
 result is the float product of the rounded activations and those weights, to float
 rounding."""
 
@@ -23,10 +24,10 @@ from loom.kernels.build import runnable_variants, use_variant
 from loom.models.quant import round_activations_q8
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no CPU kernels here")
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 = 2, 3, 6, 7, 8, 12, 13, 14, 39
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144, Q5_K: 176,
-               Q6_K: 210}
-BLOCK_VALUES = {t: 256 if t >= Q4_K else 32 for t in BLOCK_BYTES}
+               Q6_K: 210, MXFP4: 17}
+BLOCK_VALUES = {t: 256 if t in (Q4_K, Q5_K, Q6_K) else 32 for t in BLOCK_BYTES}
 # Where each type's float16 scales lie in a block (d, and dmin or m).
 SCALE_AT = {Q4_0: (0,), Q4_1: (0, 2), Q5_0: (0,), Q5_1: (0, 2), Q8_0: (0,), Q4_K: (0, 2),
             Q5_K: (0, 2), Q6_K: (208,)}
@@ -37,6 +38,10 @@ def random_blocks(type_id: int, rows: int, cols: int, seed: int) -> torch.Tensor
     rng = np.random.default_rng(seed)
     count = rows * cols // BLOCK_VALUES[type_id]
     blocks = rng.integers(0, 256, size=(count, BLOCK_BYTES[type_id]), dtype=np.uint8)
+    if type_id == MXFP4:  # E8M0 scales 2^(e - 128) from 2^-128 (subnormal) to 2^-2
+        blocks[:, 0] = rng.integers(0, 127, size=count, dtype=np.uint8)
+        blocks[: min(count, 4), 0] = [0, 1, 2, 126][: min(count, 4)]
+        return torch.from_numpy(blocks.reshape(rows, -1))
     for i, at in enumerate(SCALE_AT[type_id]):
         scales = rng.random(count, dtype=np.float32) * 2e-3 + 1e-4
         if i and type_id in (Q4_1, Q5_1):
@@ -55,7 +60,7 @@ def file_values(raw: torch.Tensor, type_id: int, rows: int, cols: int) -> torch.
 def test_packing_keeps_the_files_values_bit_for_bit(type_id) -> None:
     # a partial last group of 8 columns; three super-blocks a row (or 20 blocks of 32: a
     # width no super-block divides, as Gemma 3 270M's 640)
-    rows, cols = 37, 768 if type_id >= Q4_K else 640
+    rows, cols = 37, 768 if BLOCK_VALUES[type_id] == 256 else 640
     raw = random_blocks(type_id, rows, cols, seed=type_id)
     packed = w4a8_pack(raw, type_id, rows, cols)
     assert torch.equal(w4a8_dequantize(packed, type_id, rows, cols),
@@ -68,6 +73,7 @@ STACKS = {
     "k-quants": [(Q4_K, 40), (Q6_K, 19), (Q5_K, 19), (Q4_K, 8)],
     "blocks-of-32": [(Q5_0, 40), (Q8_0, 19), (Q4_1, 11), (Q4_0, 16)],
     "mixed": [(Q5_1, 13), (Q4_K, 24), (Q8_0, 8), (Q6_K, 9)],
+    "mxfp4": [(MXFP4, 40), (Q8_0, 19), (MXFP4, 11), (Q5_0, 16)],  # gpt-oss's experts
 }
 
 
@@ -101,7 +107,7 @@ def test_every_variant_computes_the_oracles_bits(stacked, variant, rows) -> None
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("type_id", [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0])
+@pytest.mark.parametrize("type_id", [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4])
 def test_blocks_of_32_on_a_width_no_super_block_divides(type_id) -> None:
     """Gemma 3 270M's q/k/v and gate/up: 640 inputs in Q5_0 (its v in Q8_0)."""
     k, cols = 640, 21

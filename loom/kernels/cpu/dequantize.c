@@ -4,7 +4,8 @@
 
 /* ---- GGUF block dequantisation --------------------------------------------------------
  * loom_dequantize(type, src, nblocks, dst): `nblocks` consecutive blocks of a GGML block
- * type (its type id: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14) ->
+ * type (its type id: Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7, Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14,
+ * MXFP4 39) ->
  * float32 values, in the file's element order, with the float32 operations of the `gguf`
  * package's dequantisers (and so llama.cpp's) in their order, so the result is theirs bit
  * for bit. (Every product of a float16 scale and a block's small integers is exact in
@@ -124,6 +125,26 @@ static void dequant_q6_k(const uint8_t *b, float *y) { /* 210 bytes -> 256 */
     }
 }
 
+/* MXFP4's E8M0 block scale e as float32, halved (the E2M1 values are stored doubled):
+ * 2^(e - 128), exact (a subnormal for e < 2), as ggml's e8m0_to_fp32_half. */
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? (uint32_t)0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float d;
+    memcpy(&d, &bits, 4);
+    return d;
+}
+
+/* MXFP4's E2M1 codes (a nibble) as doubled values: w = e8m0_half(e) * value. */
+static const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static void dequant_mxfp4(const uint8_t *b, float *y) { /* 17 bytes -> 32 */
+    const float d = e8m0_half(b[0]);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)MXFP4_VALUES[b[1 + j] & 0x0F];
+        y[16 + j] = d * (float)MXFP4_VALUES[b[1 + j] >> 4];
+    }
+}
+
 LOOM_EXPORT int64_t loom_dequantize(int64_t type, const uint8_t *src, int64_t nblocks,
                                     float *dst) {
     void (*fn)(const uint8_t *, float *);
@@ -137,6 +158,7 @@ LOOM_EXPORT int64_t loom_dequantize(int64_t type, const uint8_t *src, int64_t nb
         case 12: fn = dequant_q4_k, bytes = 144, values = 256; break;
         case 13: fn = dequant_q5_k, bytes = 176, values = 256; break;
         case 14: fn = dequant_q6_k, bytes = 210, values = 256; break;
+        case 39: fn = dequant_mxfp4, bytes = 17, values = 32; break;
         default: return -1;
     }
 #pragma omp parallel for schedule(static)

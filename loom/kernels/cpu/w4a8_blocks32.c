@@ -1,18 +1,21 @@
-/* w4a8 from GGUF blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
+/* w4a8 from GGUF blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4).
  * A part of cpu_kernels.c's one translation unit: it may use what common.h and the parts
  * included before it define. */
 
-/* ---- w4a8 over blocks of 32: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 ----
+/* ---- w4a8 over blocks of 32: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4 ----
  *
  * Files store a matrix in these where its rows are not whole super-blocks of 256 (the K-quant
  * fallbacks of Q4_K_M files: Gemma 3 270M's 640-wide q/k/v and gate/up are Q5_0), or all of
  * it (Q4_0, Q8_0 files). One record per group of 8 columns and block of 32 k:
  *   d[8] f32 | m[8] f32 (Q4_1, Q5_1 only) | q
- * q as Q4_K's lo area of one block for Q4_0 and Q4_1 (128 bytes), else one byte per value
- * (256 bytes, byte t * 32 + c * 4 + i for k = 4 t + i; Q8_0's int8 value + 128). With I the
- * block's sum of stored q * xq (exact) and X the plain sum of its int8 activations:
+ * q as Q4_K's lo area of one block for Q4_0, Q4_1 and MXFP4 (128 bytes), else one byte per
+ * value (256 bytes, byte t * 32 + c * 4 + i for k = 4 t + i; Q8_0's int8 value + 128).
+ * MXFP4's nibbles are its E2M1 codes, read through MXFP4_LUT (the doubled value + 12), and
+ * its d the halved E8M0 scale (a power of two). With I the block's sum of stored q * xq
+ * (exact) and X the plain sum of its int8 activations:
  *
- *   J    = I - offset * X     (offset 8 for Q4_0, 16 for Q5_0, 128 for Q8_0, else 0; exact)
+ *   J    = I - offset * X     (offset 8 for Q4_0, 16 for Q5_0, 128 for Q8_0, 12 for MXFP4,
+ *                              else 0; exact)
  *   acc  = fmaf((float)J, d * xs, acc)
  *   mins = fmaf(m, xs * X, mins)      (Q4_1, Q5_1: w = d * q + m)
  *   y    = acc + mins (Q4_1, Q5_1) or acc (+ bias)
@@ -53,7 +56,7 @@ static inline __attribute__((always_inline)) void w4_tile_b32(
         }
         const uint8_t *q[W4_MAXC];
         for (int c = 0; c < C; c++) q[c] = rc[c] + qat;
-        w4_block_dots(iacc, q, nibbles, type == W4_Q8_0, a, r0, R, C, k, at);
+        w4_block_dots(iacc, q, nibbles, type == W4_Q8_0, w4_b32_lut(type), a, r0, R, C, k, at);
         for (int c = 0; c < C; c++) {
             const __m256 d = _mm256_loadu_ps((const float *)rc[c]);
             for (int r = 0; r < R; r++) {
@@ -194,9 +197,10 @@ static void w4_b32_ref(int64_t type, const W4Act *a, int64_t m, int64_t k, const
                 const int8_t *xq = a->xq + r * k + b * QBLOCK;
                 int32_t i32 = 0, x_sum = 0;
                 for (int i = 0; i < 32; i++) {
-                    const int q = w4_b32_nibbles(type)
-                                      ? (rc[qat + w4_lo_at(c, i)] >> w4_lo_shift(i)) & 15
-                                      : rc[qat + w4_byte_at(c, i)];
+                    const int q = w4_b32_value(
+                        type, w4_b32_nibbles(type)
+                                  ? (rc[qat + w4_lo_at(c, i)] >> w4_lo_shift(i)) & 15
+                                  : rc[qat + w4_byte_at(c, i)]);
                     i32 += q * xq[i];
                     x_sum += xq[i];
                 }

@@ -44,6 +44,7 @@
 #define W4_Q5_0 6
 #define W4_Q5_1 7
 #define W4_Q8_0 8
+#define W4_MXFP4 39
 #define W4_Q4K 12
 #define W4_Q5K 13
 #define W4_Q6K 14
@@ -54,16 +55,26 @@
 /* The blocks of 32 (see "w4a8 over blocks of 32" below). */
 static inline int w4_is_b32(int64_t type) {
     return type == W4_Q4_0 || type == W4_Q4_1 || type == W4_Q5_0 || type == W4_Q5_1 ||
-           type == W4_Q8_0;
+           type == W4_Q8_0 || type == W4_MXFP4;
 }
 /* Q4_1, Q5_1: w = d * q + m. */
 static inline int w4_b32_has_m(int64_t type) { return type == W4_Q4_1 || type == W4_Q5_1; }
-/* Q4_0, Q4_1: values packed two to a byte (the others one byte each). */
-static inline int w4_b32_nibbles(int64_t type) { return type == W4_Q4_0 || type == W4_Q4_1; }
+/* Q4_0, Q4_1, MXFP4: values packed two to a byte (the others one byte each). */
+static inline int w4_b32_nibbles(int64_t type) {
+    return type == W4_Q4_0 || type == W4_Q4_1 || type == W4_MXFP4;
+}
+/* MXFP4 stores E2M1 codes: a nibble q stands for MXFP4_LUT[q] = the doubled value + 12 (0 ..
+ * 24, unsigned for the u8 x s8 products), so w = d * (MXFP4_LUT[q] - 12) with d the halved
+ * E8M0 scale: every product an exact integer, as the other types'. */
+static inline int w4_b32_lut(int64_t type) { return type == W4_MXFP4; }
+static const uint8_t MXFP4_LUT[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 /* What the stored value holds above the signed one: w = d * (q - offset). */
 static inline int w4_b32_offset(int64_t type) {
-    return type == W4_Q4_0 ? 8 : type == W4_Q5_0 ? 16 : type == W4_Q8_0 ? 128 : 0;
+    return type == W4_Q4_0 ? 8 : type == W4_Q5_0 ? 16 : type == W4_Q8_0 ? 128
+         : type == W4_MXFP4 ? 12 : 0;
 }
+/* A b32 record's stored value q of a nibble or byte (MXFP4's code through its table). */
+static inline int w4_b32_value(int64_t type, int q) { return w4_b32_lut(type) ? MXFP4_LUT[q] : q; }
 /* Where a b32 record's values start (after d[8], and m[8] where the type has one). */
 static inline int64_t w4_b32_q_at(int64_t type) { return w4_b32_has_m(type) ? 64 : 32; }
 
@@ -134,8 +145,14 @@ static void w4_decode_q6k(const uint8_t *b, float *d, int8_t sc[16], uint8_t q[2
 }
 
 /* One file block of 32 of a b32 type: its scale d, its m (Q4_1, Q5_1; else 0) and its 32
- * values as stored in a record (Q8_0's int8 value + 128, the others as the file has them). */
+ * values as stored in a record (Q8_0's int8 value + 128, MXFP4's codes, the others as the
+ * file has them). */
 static void w4_decode_b32(int64_t type, const uint8_t *b, float *d, float *m, uint8_t q[32]) {
+    if (type == W4_MXFP4) { /* e | 16 bytes of codes, values j and 16 + j in byte j */
+        *d = e8m0_half(b[0]), *m = 0.0f;
+        for (int j = 0; j < 16; j++) q[j] = b[1 + j] & 0x0F, q[16 + j] = b[1 + j] >> 4;
+        return;
+    }
     *d = f16_to_f32(b);
     *m = w4_b32_has_m(type) ? f16_to_f32(b + 2) : 0.0f;
     if (type == W4_Q8_0) {
@@ -169,7 +186,8 @@ LOOM_EXPORT int64_t loom_w4a8_pack(int64_t type, const uint8_t *raw, int64_t n, 
     const int64_t nsb = k / rk;
     const int64_t src_bytes = type == W4_Q4K ? 144 : type == W4_Q5K ? 176 : type == W4_Q6K ? 210
                             : type == W4_Q4_0 ? 18 : type == W4_Q4_1 ? 20
-                            : type == W4_Q5_0 ? 22 : type == W4_Q5_1 ? 24 : 34;
+                            : type == W4_Q5_0 ? 22 : type == W4_Q5_1 ? 24
+                            : type == W4_MXFP4 ? 17 : 34;
     const int64_t groups = (n + COLS - 1) / COLS;
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++)
@@ -223,8 +241,9 @@ static inline float w4_weight(int64_t type, const uint8_t *r, int c, int kk) {
     memcpy(&d, r + 4 * c, 4);
     if (w4_is_b32(type)) { /* kk < 32: one block a record */
         const int64_t at = w4_b32_q_at(type);
-        const int q = w4_b32_nibbles(type) ? (r[at + w4_lo_at(c, kk)] >> w4_lo_shift(kk)) & 15
-                                           : r[at + w4_byte_at(c, kk)];
+        const int q = w4_b32_value(
+            type, w4_b32_nibbles(type) ? (r[at + w4_lo_at(c, kk)] >> w4_lo_shift(kk)) & 15
+                                       : r[at + w4_byte_at(c, kk)]);
         if (!w4_b32_has_m(type)) return d * (float)(q - w4_b32_offset(type));
         float m;
         memcpy(&m, r + 32 + 4 * c, 4);
@@ -335,20 +354,27 @@ static inline __m256i w4_i8x8(const uint8_t *p) {
 #define W4_PREFETCH_RECORDS 4
 
 /* iacc[r][c] + the exact products of one block of 32 activations (at: its first k) of rows
- * r0 .. r0 + R with C groups' weights at q[c]: nibbles (Q4_K's lo area, Q4_0, Q4_1), 4 steps
+ * r0 .. r0 + R with C groups' weights at q[c]: nibbles (Q4_K's lo area, Q4_0, Q4_1; MXFP4's
+ * codes through its table with `lut`), 4 steps
  * of 8 k; or one byte a value (Q5_K, Q5_0, Q5_1; Q8_0's value + 128 with `q8`), 8 steps of
  * 4 k. The integer sums are exact in any order. */
 static inline __attribute__((always_inline)) void w4_block_dots(
     __m256i iacc[W4_MAXR][W4_MAXC], const uint8_t *const q[W4_MAXC], int nibbles, int q8,
-    const W4Act *a, int64_t r0, int R, int C, int64_t k, int64_t at) {
+    int lut, const W4Act *a, int64_t r0, int R, int C, int64_t k, int64_t at) {
     if (nibbles) {
         const __m256i low4 = _mm256_set1_epi8(15);
+        const __m256i table = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128((const __m128i *)MXFP4_LUT));
         for (int v = 0; v < 4; v++) {
             __m256i lo[W4_MAXC], hi[W4_MAXC];
             for (int c = 0; c < C; c++) {
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(q[c] + v * 32));
                 lo[c] = _mm256_and_si256(raw, low4);
                 hi[c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                if (lut) { /* MXFP4: codes -> stored values (w4_b32_value) */
+                    lo[c] = _mm256_shuffle_epi8(table, lo[c]);
+                    hi[c] = _mm256_shuffle_epi8(table, hi[c]);
+                }
             }
             for (int r = 0; r < R; r++) {
                 const __m256i x0 = w4_x4(a, r0 + r, k, at + 8 * v);
@@ -417,7 +443,7 @@ static inline __attribute__((always_inline)) void w4_tile(
                 const uint8_t *q[W4_MAXC];
                 for (int c = 0; c < C; c++)
                     q[c] = rc[c] + 192 + j * (type == W4_Q4K ? 128 : 256);
-                w4_block_dots(iacc, q, type == W4_Q4K, 0, a, r0, R, C, k, at);
+                w4_block_dots(iacc, q, type == W4_Q4K, 0, 0, a, r0, R, C, k, at);
                 for (int c = 0; c < C; c++) {
                     const __m256 ds = _mm256_mul_ps(_mm256_loadu_ps((const float *)rc[c]),
                                                     w4_u8x8(rc[c] + 64 + j * 8));
