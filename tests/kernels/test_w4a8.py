@@ -2,8 +2,7 @@
 Q4_1 / Q5_0 / Q5_1 / Q8_0 / MXFP4, times int8 activations) against its plain-C oracle, on
 every kernel variant this CPU runs: the same bits for any number of rows, any stacking of
 segments, any position of a row in the call; the packed weights are the file's values bit for
-bit; the
-result is the float product of the rounded activations and those weights, to float
+bit; the result is the float product of the rounded activations and those weights, to float
 rounding."""
 
 from __future__ import annotations
