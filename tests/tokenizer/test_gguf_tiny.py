@@ -159,3 +159,16 @@ def test_cache_hit_and_corrupt_entry(tmp_path: Path) -> None:
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a changed file: new key
     load_tokenizer(path, cache_dir=cache)
     assert len(list(cache.glob("*.meta.json"))) == 2
+
+
+def test_gpt4o_split_cuts_words_as_o200k_does() -> None:
+    """gpt-oss's files name the "gpt-4o" pre-tokenizer: o200k's split (case runs, digits in
+    threes, contractions kept on their word, a slash kept after punctuation)."""
+    import regex
+
+    from loom.tokenizer.gguf_tokenizer import _SPLIT_BY_PRE
+
+    text = "Hello world's 12345 CamelCase HTTPServer\n\n  x a/b\n/ DON'T"
+    assert regex.findall(_SPLIT_BY_PRE["gpt-4o"], text) == [
+        "Hello", " world's", " ", "123", "45", " Camel", "Case", " HTTPServer", "\n\n", " ",
+        " x", " a", "/b", "\n", "/", " DON'T"]
