@@ -131,6 +131,63 @@ def build_tiny_model(arch: str, folder: Path, seed: int = 0, qk_gain: float = 1.
 
 TINY_ARCHS = ["gemma3", "llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"]
 
+# The tiny gpt-oss: its sliding layers' window (the tests' prompts are several windows
+# long) and its YaRN (x8 over 32 positions, gpt-oss's unrounded ramp of 32 to 1 rotations).
+GPT_OSS_WINDOW = 8
+GPT_OSS_YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 8.0, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32}
+
+
+def tiny_gpt_oss_config():
+    """transformers' GptOssConfig of the tiny gpt-oss: 3 layers (sliding, full, sliding),
+    6 experts of width 32, 2 a token."""
+    import transformers as tf
+
+    return tf.GptOssConfig(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=GPT_OSS_WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        num_local_experts=6, num_experts_per_tok=2, max_position_embeddings=256,
+        rope_parameters=dict(GPT_OSS_YARN), bos_token_id=2, eos_token_id=1, pad_token_id=0,
+    )
+
+
+def tiny_gpt_oss(seed: int = 0):
+    """A random tiny gpt-oss (transformers' GptOssForCausalLM, float32, eval mode).
+
+    Attention scores, router logits and output logits of order one (q/k x8, the router x
+    ROUTER_GAIN, the output projection x10), random nonzero sinks and biases, and experts x5
+    (at the default init the model is nearly position-blind and its greedy tokens repeat).
+    """
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(tiny_gpt_oss_config(), dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.router.weight"):
+                p.mul_(ROUTER_GAIN)
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.02)
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8.0)
+            elif ".experts." in name:
+                p.mul_(5.0)
+            elif name == "lm_head.weight":
+                p.mul_(10.0)
+    return model
+
+
+def build_tiny_gpt_oss(folder: Path):
+    """The tiny gpt-oss saved by transformers into `folder` (with the tiny tokenizer)."""
+    build_tiny_tokenizer(folder)
+    model = tiny_gpt_oss()
+    model.save_pretrained(str(folder))
+    return model
+
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Greedy continuation by full forward passes (no cache): the plainest reference."""

@@ -8,13 +8,18 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 from engine.helpers import make_engine, run_to_completion
 from tiny_models import PARITY_ATOL, chunk
-from tiny_reference import ROUTER_GAIN, build_tiny_tokenizer, hf_greedy
+from tiny_reference import (
+    GPT_OSS_WINDOW,
+    GPT_OSS_YARN,
+    build_tiny_gpt_oss,
+    hf_greedy,
+    tiny_gpt_oss_config,
+)
 
 from loom import SamplingParams
 from loom.attention import AttentionMetadata, AttentionSpec
@@ -31,10 +36,9 @@ from loom.models.rope import inverse_frequencies, resolve_rope
 from loom.models.tensor_parallel import check_shardable
 from loom.runner import ModelRunner, build_model
 
-WINDOW = 8  # the sliding layers' window: prompts below are several windows long
+WINDOW = GPT_OSS_WINDOW  # the sliding layers' window: prompts below are several windows long
 PROMPT_LEN, NEW_TOKENS = 30, 16
-YARN = {"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 8.0, "beta_fast": 32.0,
-        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32}
+YARN = GPT_OSS_YARN
 
 
 def _cpu_kernel_has_sinks() -> bool:
@@ -50,53 +54,11 @@ LOGITS_BACKENDS = [*BACKENDS, pytest.param("triton", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="Triton compiles on CUDA only"))]
 
 
-def _tiny_config():
-    import transformers as tf
-
-    return tf.GptOssConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        num_local_experts=6, num_experts_per_tok=2, max_position_embeddings=256,
-        rope_parameters=dict(YARN), bos_token_id=2, eos_token_id=1, pad_token_id=0,
-    )
-
-
-def _build_tiny(folder: Path):
-    """A random tiny gpt-oss saved by transformers into `folder` (with the tiny tokenizer).
-
-    Attention scores, router logits and output logits of order one (q/k x8, the router x
-    ROUTER_GAIN, the output projection x10), random nonzero sinks and biases, and experts x5
-    (at the default init the model is nearly position-blind and its greedy tokens repeat).
-    """
-    import transformers as tf
-
-    build_tiny_tokenizer(folder)
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(_tiny_config(), dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("mlp.router.weight"):
-                p.mul_(ROUTER_GAIN)
-            elif name.endswith("sinks"):
-                p.copy_(torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(torch.randn_like(p) * 0.02)
-            elif name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.mul_(8.0)
-            elif ".experts." in name:
-                p.mul_(5.0)
-            elif name == "lm_head.weight":
-                p.mul_(10.0)
-    model.save_pretrained(str(folder))
-    return model
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(folder, transformers model, prompt longer than several windows)."""
     folder = tmp_path_factory.mktemp("gpt-oss")
-    model = _build_tiny(folder)
+    model = build_tiny_gpt_oss(folder)
     prompt = torch.randint(3, 512, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1))
     return folder, model, prompt.tolist()
 
@@ -321,7 +283,7 @@ def test_moe_block_runs_in_c_and_tensor_parallel_refuses(tiny):
 
 
 def test_mxfp4_checkpoints_are_refused():
-    hf = {**_tiny_config().to_dict(), "architectures": ["GptOssForCausalLM"],
+    hf = {**tiny_gpt_oss_config().to_dict(), "architectures": ["GptOssForCausalLM"],
           "quantization_config": {"quant_method": "mxfp4"}}
     with pytest.raises(UnsupportedModelError, match="'mxfp4'"):
         GptOssForCausalLM(ModelConfig.from_hf(hf))
