@@ -16,8 +16,10 @@ from loom.errors import InvalidModelError, UnsupportedModelError
 from loom.kernels import GGUF_C_BLOCK_TYPES, dequantize_gguf_blocks
 from loom.loader.gguf_maps import (
     GGUF_ARCHITECTURES,
+    GGUF_BARE_TENSORS,
     GGUF_CONFIG_DEFAULTS,
     GGUF_CONFIG_KEYS,
+    GGUF_CONFIG_KEYS_OVERRIDES,
     GGUF_EXPERT_ARCHITECTURES,
     GGUF_EXPERT_TENSORS,
     GGUF_GLOBAL_TENSORS,
@@ -25,7 +27,10 @@ from loom.loader.gguf_maps import (
     GGUF_LAYER_TENSORS_OVERRIDES,
     GGUF_NORM_PLUS_ONE,
     GGUF_PERMUTED_QK,
+    GGUF_ROPE_SCALING_DEFAULTS,
+    GGUF_ROPE_SCALING_KEYS,
     GGUF_SKIPPED_TENSORS,
+    GGUF_SLIDING_PERIOD,
     GGUF_SPLIT_EXPERT_TENSORS,
     GGUF_TOKEN_ID_KEYS,
 )
@@ -52,7 +57,7 @@ def gguf_to_hf_config(reader: GGUFFile) -> dict[str, Any]:
         hf_arch, model_type = GGUF_EXPERT_ARCHITECTURES[arch]
     config: dict[str, Any] = {"architectures": [hf_arch], "model_type": model_type}
     config.update(GGUF_CONFIG_DEFAULTS.get(arch, {}))
-    for suffix, hf_key in GGUF_CONFIG_KEYS.items():
+    for suffix, hf_key in {**GGUF_CONFIG_KEYS, **GGUF_CONFIG_KEYS_OVERRIDES.get(arch, {})}.items():
         value = reader.get(f"{arch}.{suffix}")
         if value is not None:
             config[hf_key] = value
@@ -72,14 +77,36 @@ def gguf_to_hf_config(reader: GGUFFile) -> dict[str, Any]:
         config["norm_topk_prob"] = bool(config["norm_topk_prob"])
     scaling_type = reader.get(f"{arch}.rope.scaling.type")
     if scaling_type and scaling_type != "none":
-        factor = float(reader.get(f"{arch}.rope.scaling.factor") or 1.0)
-        config["rope_scaling"] = {"rope_type": str(scaling_type), "factor": factor}
+        config["rope_scaling"] = _rope_scaling(reader, arch, str(scaling_type))
+    if arch in GGUF_SLIDING_PERIOD:
+        config["layer_types"] = _layer_types(config["num_hidden_layers"],
+                                             GGUF_SLIDING_PERIOD[arch])
     if arch == "gemma3":
         # Matches what transformers builds from the same file (its Gemma3TextConfig default
         # equals head_dim for 270M/1B/4B/12B).
         config["query_pre_attn_scalar"] = config["head_dim"]
         config["eos_token_id"] = _gemma3_eos(reader, config.get("eos_token_id"))
     return config
+
+
+def _rope_scaling(reader: GGUFFile, arch: str, scaling_type: str) -> dict[str, Any]:
+    """HF `rope_scaling` from `{arch}.rope.scaling.*`: the file's values over the
+    architecture's defaults; factor 1 where the file gives none."""
+    scaling: dict[str, Any] = {"rope_type": scaling_type, "factor": 1.0,
+                               **GGUF_ROPE_SCALING_DEFAULTS.get(arch, {})}
+    for suffix, key in GGUF_ROPE_SCALING_KEYS.items():
+        value = reader.get(f"{arch}.rope.scaling.{suffix}")
+        if value is not None:
+            scaling[key] = int(value) if key == "original_max_position_embeddings" \
+                else float(value)
+    return scaling
+
+
+def _layer_types(layers: int, period: int) -> list[str]:
+    """HF `layer_types` of layers alternating with `period`: the last of every period full
+    attention, the others sliding (`GGUF_SLIDING_PERIOD`)."""
+    return ["full_attention" if i % period == period - 1 else "sliding_attention"
+            for i in range(int(layers))]
 
 
 def _gemma3_eos(reader: GGUFFile, eos: int | None) -> list[int]:
@@ -116,12 +143,14 @@ def gguf_to_hf_name(arch: str, name: str) -> str | None:
     if len(parts) != 4 or parts[0] != "blk":
         raise UnsupportedModelError(f"unexpected GGUF tensor {name!r}")
     _, layer, kind, ending = parts
+    if kind in GGUF_BARE_TENSORS:
+        ending = ""  # the HF name is the parameter itself (attention sinks)
     if kind in GGUF_EXPERT_TENSORS:
         return f"model.layers.{layer}.mlp.experts.{{expert}}.{GGUF_EXPERT_TENSORS[kind]}.{ending}"
     table = {**GGUF_LAYER_TENSORS, **GGUF_LAYER_TENSORS_OVERRIDES.get(arch, {})}
     if kind not in table:
         raise UnsupportedModelError(f"GGUF tensor {name!r} has no HF mapping for {arch}")
-    return f"model.layers.{layer}.{table[kind]}.{ending}"
+    return f"model.layers.{layer}.{table[kind]}" + (f".{ending}" if ending else "")
 
 
 def _unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -195,8 +224,9 @@ class _OwnedCopy:
 def _pieces(tensor: GGUFTensorInfo, hf_name: str, experts: int,
             ) -> list[tuple[str, int | None, tuple[int, ...]]]:
     """(hf_name, expert, shape) of each tensor the model loads from `tensor`: itself (expert
-    None), or one per expert of a 3-D expert tensor (each expert's rows are contiguous in the
-    file, so an expert's data is its slab: index `expert` of the tensor's data)."""
+    None), or one per expert of a 3-D expert tensor or of a 2-D expert bias (each expert's
+    rows are contiguous in the file, so an expert's data is its slab: index `expert` of the
+    tensor's data)."""
     shape = tuple(tensor.shape)
     if hf_name.endswith(".mlp.gate.weight") and (len(shape) != 2 or shape[0] != experts):
         raise InvalidModelError(
@@ -204,10 +234,12 @@ def _pieces(tensor: GGUFTensorInfo, hf_name: str, experts: int,
             f" expert_count of {experts} experts must be [{experts}, hidden]")
     if "{expert}" not in hf_name:
         return [(hf_name, None, shape)]
-    if len(shape) != 3 or shape[0] != experts:
+    bias = hf_name.endswith(".bias")  # [experts, rows], one bias an expert
+    if len(shape) != (2 if bias else 3) or shape[0] != experts:
         raise InvalidModelError(
             f"GGUF tensor {tensor.name!r} has shape {shape}: an expert tensor of the file's"
-            f" expert_count of {experts} experts must be [{experts}, rows, columns]")
+            f" expert_count of {experts} experts must be [{experts}, rows"
+            f"{'' if bias else ', columns'}]")
     return [(hf_name.format(expert=e), e, shape[1:]) for e in range(experts)]
 
 

@@ -7,6 +7,7 @@ from typing import Any
 # GGUF `general.architecture` -> (HF architectures name, HF model_type).
 GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
@@ -38,6 +39,32 @@ GGUF_CONFIG_KEYS: dict[str, str] = {
     "expert_weights_norm": "norm_topk_prob",
 }
 
+# Architecture-specific overrides of GGUF_CONFIG_KEYS. gpt-oss's experts are its only
+# feed-forward blocks: HF's `intermediate_size` is their width.
+GGUF_CONFIG_KEYS_OVERRIDES: dict[str, dict[str, str]] = {
+    "gpt-oss": {"expert_feed_forward_length": "intermediate_size"},
+}
+
+# `{arch}.rope.scaling.<key>` metadata -> key of HF `rope_scaling` (beside its rope_type).
+GGUF_ROPE_SCALING_KEYS: dict[str, str] = {
+    "factor": "factor",
+    "original_context_length": "original_max_position_embeddings",
+    "yarn_beta_fast": "beta_fast",
+    "yarn_beta_slow": "beta_slow",
+}
+
+# Per-architecture `rope_scaling` values a file may not store. gpt-oss's config: YaRN's
+# ramp of 32 to 1 rotations with unrounded ends (llama.cpp rounds them outwards to whole
+# dimensions; Loom follows the model's own config, as transformers does).
+GGUF_ROPE_SCALING_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gpt-oss": {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
+}
+
+# Architectures whose layers alternate sliding-window and full attention with this period,
+# which GGUF does not store: layer i is full where i % period == period - 1, else sliding
+# (llama.cpp's `set_swa_pattern(2)` for gpt-oss: even layers slide). Becomes `layer_types`.
+GGUF_SLIDING_PERIOD: dict[str, int] = {"gpt-oss": 2}
+
 # Tokenizer metadata -> HF config key.
 GGUF_TOKEN_ID_KEYS: dict[str, str] = {
     "tokenizer.ggml.bos_token_id": "bos_token_id",
@@ -54,6 +81,9 @@ GGUF_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
         "final_logit_softcapping": None,
         "attn_logit_softcapping": None,
     },
+    # gpt-oss: biased q/k/v/o, experts gated by the clamped SwiGLU of these constants
+    # (llama.cpp hard-codes them too).
+    "gpt-oss": {"attention_bias": True, "swiglu_alpha": 1.702, "swiglu_limit": 7.0},
     "llama": {"hidden_act": "silu"},
     "qwen2": {"hidden_act": "silu"},
     "qwen3": {"hidden_act": "silu"},
@@ -85,7 +115,8 @@ GGUF_LAYER_TENSORS: dict[str, str] = {
 }
 
 # Expert tensors: `blk.{i}.<kind>.weight` is 3-D [experts, rows, columns] and becomes one
-# tensor per expert, `model.layers.{i}.mlp.experts.{e}.<projection>.weight`. Files from
+# tensor per expert, `model.layers.{i}.mlp.experts.{e}.<projection>.weight`; a `.bias`
+# (gpt-oss) is 2-D [experts, rows] and becomes one bias per expert the same way. Files from
 # older converters store each expert as its own 2-D tensor `blk.{i}.<dense kind>.{e}.weight`.
 GGUF_EXPERT_TENSORS: dict[str, str] = {
     "ffn_gate_exps": "gate_proj",
@@ -98,14 +129,23 @@ GGUF_SPLIT_EXPERT_TENSORS: dict[str, str] = {
     "ffn_down": "down_proj",
 }
 
-# Architecture-specific overrides of GGUF_LAYER_TENSORS (Gemma's sandwich norms).
+# Architecture-specific overrides of GGUF_LAYER_TENSORS (Gemma's sandwich norms; gpt-oss's
+# pre-feed-forward norm, which llama.cpp names post_attention_norm, and attention sinks).
 GGUF_LAYER_TENSORS_OVERRIDES: dict[str, dict[str, str]] = {
     "gemma3": {
         "ffn_norm": "pre_feedforward_layernorm",
         "post_attention_norm": "post_attention_layernorm",
         "post_ffw_norm": "post_feedforward_layernorm",
     },
+    "gpt-oss": {
+        "post_attention_norm": "post_attention_layernorm",
+        "attn_sinks": "self_attn.sinks",
+    },
 }
+
+# Layer tensors whose HF name is a parameter of its own, not a module's: the GGUF name's
+# `.weight` ending is dropped (`blk.N.attn_sinks.weight` -> `model.layers.N.self_attn.sinks`).
+GGUF_BARE_TENSORS: frozenset[str] = frozenset({"attn_sinks"})
 
 # GGUF tensors with no HF counterpart (derived from config in Loom).
 GGUF_SKIPPED_TENSORS: frozenset[str] = frozenset({"rope_freqs.weight"})
