@@ -8,8 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_gguf import MOE_KQUANTS, every_type, write_tiny_llama, write_tiny_moe
-from tiny_reference import TINY_ARCHS, build_tiny_model, build_tiny_tokenizer
+from tiny_gguf import (
+    MOE_KQUANTS,
+    every_type,
+    write_tiny_gpt_oss,
+    write_tiny_llama,
+    write_tiny_moe,
+)
+from tiny_reference import TINY_ARCHS, build_tiny_model, build_tiny_tokenizer, tiny_gpt_oss
 
 CUDA = torch.cuda.is_available()
 # Without a GPU, Triton kernels (the CUDA attention backend) run in Triton's interpreter. Set
@@ -49,6 +55,15 @@ def tiny_moe_gguf_folder(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-moe-gguf")
     build_tiny_tokenizer(folder)
     write_tiny_moe(folder / "tiny-qwen3moe.gguf", "qwen3moe", MOE_KQUANTS)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_gguf_folder(tmp_path_factory) -> Path:
+    """A folder holding the tiny gpt-oss as llama.cpp writes it (MXFP4 experts, Q8_0
+    attention, the tiny tokenizer in its metadata) and the tiny tokenizer."""
+    folder = tmp_path_factory.mktemp("tiny-gpt-oss-gguf")
+    write_tiny_gpt_oss(folder / "tiny-gpt-oss.gguf", tiny_gpt_oss())
     return folder
 
 

@@ -4,6 +4,7 @@ quantised files without a download."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,9 +48,10 @@ def random_blocks(rng: np.random.Generator, rows: int, cols: int, type_id: int) 
 
 
 def llama_writer(path: Path, hidden: int, ffn: int, layers: int, heads: int, kv_heads: int,
-                 context: int, arch: str = "llama", eps: float = 1e-5) -> Any:
+                 context: int, arch: str = "llama", eps: float = 1e-5,
+                 theta: float = 10000.0) -> Any:
     """A `gguf.GGUFWriter` at `path` with a Llama-like model's header fields (tensors to
-    add; `arch` "qwen3moe" for Qwen3-MoE, whose own fields the caller adds)."""
+    add; `arch` "qwen3moe" for Qwen3-MoE or "gpt-oss", whose own fields the caller adds)."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch=arch)
@@ -60,13 +62,15 @@ def llama_writer(path: Path, hidden: int, ffn: int, layers: int, heads: int, kv_
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(eps)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_freq_base(theta)
     return writer
 
 
-def finish(writer: Any, path: Path) -> Path:
-    """Add the final norm (ones) and write the file `writer` holds; returns `path`."""
-    writer.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+def finish(writer: Any, path: Path, norm: np.ndarray | None = None) -> Path:
+    """Add the final norm (`norm`, default HIDDEN ones) and write the file `writer` holds;
+    returns `path`."""
+    writer.add_tensor("output_norm.weight",
+                      np.ones(HIDDEN, dtype=np.float32) if norm is None else norm)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -188,3 +192,90 @@ def write_tiny_moe(path: Path, arch: str, types: dict[str, int], seed: int = 0,
 # Q4_K_M's mix for experts (Q4_K gate/up, Q6_K down), and the blocks of 32.
 MOE_KQUANTS = {"attention": Q4_K, "gate": Q4_K, "up": Q4_K, "down": Q6_K, "embedding": Q6_K}
 MOE_BLOCKS32 = {"attention": Q8_0, "gate": Q4_0, "up": Q5_1, "down": Q8_0, "embedding": Q8_0}
+
+
+# The GGUF types a tiny gpt-oss's dense matrices (attention, embedding, output) may take.
+BF16, F32, MXFP4 = 30, 0, 39
+
+
+def add_tiny_tokenizer(writer: Any, tokenizer_json: Path, pre: str) -> None:
+    """The tiny tokenizer (tiny_reference.build_tiny_tokenizer's tokenizer.json) as a GGUF
+    byte-level BPE vocabulary: tokens in id order, its specials CONTROL, its merges, and
+    the `pre`-tokenizer name (the split for text; token-id prompts do not use it)."""
+    model = json.loads(tokenizer_json.read_text())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t.startswith("<") and t.endswith(">") else 1 for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model["merges"]])
+
+
+def write_tiny_gpt_oss(path: Path, model: Any, dense: int = Q8_0,
+                       expert_count: int | None = None) -> Path:
+    """A gpt-oss GGUF at `path` of a transformers GptOssForCausalLM `model`'s weights, laid
+    out as llama.cpp's converter writes it: the experts' gate, up and down as 3-D MXFP4
+    tensors [experts, out, in] (HF's fused gate_up_proj [experts, in, 2 x out], gate and up
+    interleaved, split and transposed) with 2-D float32 biases [experts, out]; the norms,
+    sinks, the router and every other bias float32; q/k/v/o, the embedding and the output
+    projection in `dense` (F32, F16, BF16 or Q8_0); `expert_count`: the count written in
+    the header (default: the model's). The tiny tokenizer (`build_tiny_tokenizer`, written
+    beside the file) is its vocabulary, under gpt-oss's pre-tokenizer name."""
+    import gguf
+    from tiny_reference import build_tiny_tokenizer
+
+    c = model.config
+    rope = c.rope_parameters
+    build_tiny_tokenizer(path.parent)
+    writer = llama_writer(path, c.hidden_size, c.intermediate_size, c.num_hidden_layers,
+                          c.num_attention_heads, c.num_key_value_heads,
+                          c.max_position_embeddings, arch="gpt-oss", eps=c.rms_norm_eps,
+                          theta=rope["rope_theta"])
+    writer.add_key_length(c.head_dim)
+    writer.add_value_length(c.head_dim)
+    writer.add_sliding_window(c.sliding_window)
+    writer.add_expert_count(c.num_local_experts if expert_count is None else expert_count)
+    writer.add_expert_used_count(c.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(c.intermediate_size)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(rope["factor"])
+    writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    add_tiny_tokenizer(writer, path.parent / "tokenizer.json", pre="gpt-4o")
+    writer.add_bos_token_id(c.bos_token_id)
+    writer.add_eos_token_id(c.eos_token_id)
+    writer.add_pad_token_id(c.pad_token_id)
+    w = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
+
+    def add(name: str, values: np.ndarray, type_id: int = F32) -> None:
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        if type_id == F32:
+            writer.add_tensor(name, values)
+        elif type_id == F16:
+            writer.add_tensor(name, values.astype(np.float16))
+        else:
+            kind = gguf.GGMLQuantizationType(type_id)
+            writer.add_tensor(name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+
+    add("token_embd.weight", w["model.embed_tokens.weight"], dense)
+    add("output.weight", w["lm_head.weight"], dense)
+    for i in range(c.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        add(b + "attn_norm.weight", w[p + "input_layernorm.weight"])
+        add(b + "post_attention_norm.weight", w[p + "post_attention_layernorm.weight"])
+        add(b + "attn_sinks.weight", w[p + "self_attn.sinks"])
+        for kind, proj in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"),
+                           ("attn_output", "o_proj")):
+            add(f"{b}{kind}.weight", w[f"{p}self_attn.{proj}.weight"], dense)
+            add(f"{b}{kind}.bias", w[f"{p}self_attn.{proj}.bias"])
+        add(b + "ffn_gate_inp.weight", w[p + "mlp.router.weight"])
+        add(b + "ffn_gate_inp.bias", w[p + "mlp.router.bias"])
+        gate_up = w[p + "mlp.experts.gate_up_proj"].transpose(0, 2, 1)  # [E, 2 x out, in]
+        gate_up_bias = w[p + "mlp.experts.gate_up_proj_bias"]
+        add(b + "ffn_gate_exps.weight", gate_up[:, 0::2], MXFP4)
+        add(b + "ffn_up_exps.weight", gate_up[:, 1::2], MXFP4)
+        add(b + "ffn_down_exps.weight", w[p + "mlp.experts.down_proj"].transpose(0, 2, 1),
+            MXFP4)
+        add(b + "ffn_gate_exps.bias", gate_up_bias[:, 0::2])
+        add(b + "ffn_up_exps.bias", gate_up_bias[:, 1::2])
+        add(b + "ffn_down_exps.bias", w[p + "mlp.experts.down_proj_bias"])
+    return finish(writer, path, w["model.norm.weight"])

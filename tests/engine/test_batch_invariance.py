@@ -365,16 +365,20 @@ def compare(folder, scenario: Scenario, outputs: dict, logits: dict,
     return problems
 
 
-@pytest.mark.parametrize("arch", [*TINY_ARCHS, "llama-gguf-every-type", "qwen3moe-gguf"])
+@pytest.mark.parametrize("arch", [*TINY_ARCHS, "llama-gguf-every-type", "qwen3moe-gguf",
+                                  "gpt-oss-gguf"])
 def test_tokens_and_logprobs_do_not_depend_on_the_batch(tiny_models, tiny_gguf_folder,
-                                                        tiny_moe_gguf_folder, arch):
+                                                        tiny_moe_gguf_folder,
+                                                        tiny_gpt_oss_gguf_folder, arch):
     """Every tiny architecture in DEFAULT_MODE (the mixtures of experts included), a tiny
-    Llama GGUF of every block type w4a8 computes and a tiny Qwen3-MoE GGUF (experts from
-    their Q4_K / Q6_K blocks) in the engine's default mode (w4a8: K-quants in one layer,
-    the blocks of 32 in the other)."""
-    gguf = arch in ("llama-gguf-every-type", "qwen3moe-gguf")
+    Llama GGUF of every block type w4a8 computes, a tiny Qwen3-MoE GGUF (experts from
+    their Q4_K / Q6_K blocks) and a tiny gpt-oss GGUF (MXFP4 experts, Q8_0 attention with
+    sinks, sliding layers) in the engine's default mode (w4a8: K-quants in one layer, the
+    blocks of 32 in the other)."""
+    gguf = arch in ("llama-gguf-every-type", "qwen3moe-gguf", "gpt-oss-gguf")
     folder = {"llama-gguf-every-type": tiny_gguf_folder,
-              "qwen3moe-gguf": tiny_moe_gguf_folder}.get(arch) or tiny_models[arch][0]
+              "qwen3moe-gguf": tiny_moe_gguf_folder,
+              "gpt-oss-gguf": tiny_gpt_oss_gguf_folder}.get(arch) or tiny_models[arch][0]
     if gguf:  # every matrix from the file's blocks, none re-quantised to int8
         engine = _reference_engine(folder)
         assert engine.config.quantization == "w4a8"
