@@ -68,7 +68,7 @@ for q_dtype, kv_dtype, block_q in json.loads(sys.argv[1]):
         "q_ptr": f"*{q_dtype}", "k_ptr": f"*{kv_dtype}", "v_ptr": f"*{kv_dtype}",
         "tables_ptr": "*i64", "seq_lens_ptr": "*i64", "q_start_ptr": "*i64",
         "work_seq_ptr": "*i32", "work_qoff_ptr": "*i32", "real_lens_ptr": "*i64",
-        "out_ptr": f"*{q_dtype}", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
+        "sinks_ptr": "*fp32", "out_ptr": f"*{q_dtype}", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
         "scale": "fp32", "softcap": "fp32", "window": "i32", "num_rows": "i32",
         "max_blocks": "i32",
     }
@@ -77,16 +77,17 @@ for q_dtype, kv_dtype, block_q in json.loads(sys.argv[1]):
         BLOCK_M=block_m, BLOCK_D=HEAD_DIM, PAGE=16, BLOCK_N=ta.BLOCK_N, PART=ta.PART_KEYS,
         SOFTCAP=prefill, WINDOW=not prefill, SINGLE_PART=prefill,
         PRECISION="ieee" if q_dtype == "fp32" else "tf32", PADDED=not prefill,
+        SINKS=prefill,  # a single program folds the sinks (split rows: the merge, below)
     )
     warps = 8 if block_m * HEAD_DIM >= 64 * 128 else 4
     results[f"attend {q_dtype} {kv_dtype} {block_q}"] = compile_for_h100(
         ta._attend_part, signature, constants, warps, enable_fp_fusion=False)
 for out_dtype in json.loads(sys.argv[2]):
-    signature = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
+    signature = {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "sinks_ptr": "*fp32",
                  "out_ptr": f"*{out_dtype}", "positions_ptr": "*i64", "num_rows": "i32",
                  "num_parts": "i32", "window": "i32"}
     constants = dict(NUM_HEADS=4, HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM, PART=ta.PART_KEYS,
-                     WINDOW=True)
+                     WINDOW=True, SINKS=True)
     results[f"merge {out_dtype}"] = compile_for_h100(ta._merge_parts, signature, constants, 4,
                                                      enable_fp_fusion=False)
 for dt, block_n in json.loads(sys.argv[4]):
