@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,7 @@ from loom.loader.gguf_maps import (
     GGUF_SPLIT_EXPERT_TENSORS,
     GGUF_TOKEN_ID_KEYS,
 )
+from loom.loader.gguf_read_ahead import ReadAhead
 from loom.loader.gguf_reader import GGUFFile, GGUFTensorInfo
 from loom.loader.source import BlocksHook, WeightIterator
 from loom.models.weight_shard import WeightSelector
@@ -174,40 +176,73 @@ def iter_gguf_weights(
     read and dequantised alone (each row of a quantised tensor is its own blocks).
 
     `keep_blocks(hf_name, type_id, blocks)` is offered every quantised 2-D tensor before it
-    is yielded; `blocks()` copies its whole file blocks as uint8 [rows, bytes per row], rows
-    in the order of the yielded tensor (q/k rows un-permuted as its values are), so a tensor
-    the hook does not keep is never copied (a tensor-parallel rank's hook cuts its part).
+    is yielded; `blocks()` gives a private copy of its whole file blocks as uint8 [rows,
+    bytes per row] (copy-on-write: the file's pages mapped, `GGUFFile.map_tensor`), rows in
+    the order of the yielded tensor (q/k rows un-permuted as its values are), so a tensor
+    the hook does not keep is never read (a tensor-parallel rank's hook cuts its part).
+    Those tensors are read on a thread ahead of the one yielded (`ReadAhead`).
     Where it returns True (the caller computes from the blocks and never reads the values)
-    the tensor, or the part `select` names, is yielded as uninitialised storage of its
-    shape: no dequantising, and no memory until something writes it.
+    the tensor, or the part `select` names, is yielded as a tensor of its shape on the meta
+    device: no dequantising, no storage (`CausalLM.load_weights` leaves its parameter on
+    the meta device for the preparation that replaces it).
 
     A 3-D expert tensor [experts, rows, columns] is yielded as one 2-D tensor per expert
     (`experts.<e>.` in its name), each offered to `keep_blocks` and cut by `select` alone;
     InvalidModelError names a tensor whose expert count is not the file's."""
     arch = gguf_architecture(reader)
     experts = int(config.get("num_experts") or 0)
-    for at, tensor in enumerate(reader.tensors):
-        hf_name = gguf_to_hf_name(arch, tensor.name)
-        if hf_name is None:
-            continue
-        if at + 1 < len(reader.tensors):  # read from disk while this one is converted
-            reader.prefetch(reader.tensors[at + 1])
-        raw = reader.tensor_data(tensor)
-        owned = _OwnedCopy(reader, tensor)
-        for piece_name, expert, shape in _pieces(tensor, hf_name, experts):
-            piece = raw if expert is None else raw[expert]
-            yield from _piece_weights(tensor, arch, config, piece_name, piece, shape,
-                                      owned.piece(expert), dtype, select, keep_blocks)
-        del raw, owned
-        reader.release(tensor)  # its values are copied out (or its blocks, or nothing)
+    names = [gguf_to_hf_name(arch, tensor.name) for tensor in reader.tensors]
+    # The tensors whose blocks `keep_blocks` is likely to keep are read on a thread, ahead;
+    # a file read from the disk leaves the page cache as its blocks are done with.
+    planned = [] if keep_blocks is None else [
+        at for at, (tensor, hf_name) in enumerate(zip(reader.tensors, names, strict=True))
+        if hf_name is not None and _has_blocks(tensor, hf_name)]
+    ahead = ReadAhead(reader, planned, drop_cached=reader.cached_fraction() < _CACHED) \
+        if planned else None
+    planned = set(planned)
+    try:
+        for at, (tensor, hf_name) in enumerate(zip(reader.tensors, names, strict=True)):
+            if hf_name is None:
+                continue
+            if at + 1 < len(reader.tensors) and at + 1 not in planned:
+                reader.prefetch(reader.tensors[at + 1])  # read while this one is converted
+            raw = reader.tensor_data(tensor)
+            read = functools.partial(ahead.take, at) if ahead is not None else \
+                functools.partial(reader.read_tensor, tensor)
+            owned = _OwnedCopy(read)
+            for piece_name, expert, shape in _pieces(tensor, hf_name, experts):
+                piece = raw if expert is None else raw[expert]
+                yield from _piece_weights(tensor, arch, config, piece_name, piece, shape,
+                                          owned.piece(expert), dtype, select, keep_blocks)
+            del raw, owned
+            if ahead is not None:
+                ahead.done(at)
+            reader.release(tensor)  # its values are copied out (or its blocks, or nothing)
+    finally:
+        if ahead is not None:
+            ahead.close()
+
+
+# A file with less than this share of its pages in the page cache when a load begins is
+# read from the disk; the load drops the pages it reads once done with them (a warm start
+# reads the prepared weights, not the file), and leaves a file mostly cached as it is.
+_CACHED = 0.5
+
+
+def _has_blocks(tensor: GGUFTensorInfo, hf_name: str) -> bool:
+    """Whether the pieces of `tensor` are offered to `keep_blocks` (`_piece_weights`):
+    quantised blocks of a 2-D tensor or of a 3-D expert tensor's experts."""
+    experts = "{expert}" in hf_name
+    two_d = len(tensor.shape) == (3 if experts else 2)
+    return two_d and tensor.as_bytes and tensor.qtype.name not in _FLOAT_TYPES
 
 
 class _OwnedCopy:
-    """A tensor's data read once into owned memory (`GGUFFile.read_tensor`) when the first
-    of its pieces asks for its blocks; each piece is a view of it (an expert's slab)."""
+    """A tensor's private copy (`read()`), taken when the first of its pieces asks for its
+    blocks; each piece is a view of it (an expert's slab)."""
 
-    def __init__(self, reader: GGUFFile, tensor: GGUFTensorInfo) -> None:
-        self._reader, self._tensor = reader, tensor
+    def __init__(self, read: Callable[[], np.ndarray]) -> None:
+        self._read = read
         self._data: np.ndarray | None = None
 
     def piece(self, expert: int | None) -> Callable[[], np.ndarray]:
@@ -215,7 +250,7 @@ class _OwnedCopy:
 
         def get() -> np.ndarray:
             if self._data is None:
-                self._data = self._reader.read_tensor(self._tensor)
+                self._data = self._read()
             return self._data if expert is None else self._data[expert]
 
         return get
@@ -249,8 +284,8 @@ def _piece_weights(
     dtype: torch.dtype | None, select: WeightSelector | None, keep_blocks: BlocksHook | None,
 ) -> WeightIterator:
     """The (hf_name, tensor) `iter_gguf_weights` yields for one piece of a file tensor:
-    `raw` its mapped data (what dequantising reads), `owned()` a copy of it this process
-    owns (what kept blocks become)."""
+    `raw` its data in the file's mapping (what dequantising reads), `owned()` a private
+    copy of it that lives as long as it is referred to (what kept blocks become)."""
     rule = select(hf_name) if select is not None else None
     permuted = arch in GGUF_PERMUTED_QK and hf_name.endswith(("q_proj.weight", "k_proj.weight"))
     if keep_blocks is not None and len(shape) == 2 and raw.dtype == np.uint8 \
@@ -268,7 +303,8 @@ def _piece_weights(
             kept_shape = list(shape)
             if rule is not None and not rule.first_rank_only:  # a rank's part of it
                 kept_shape[rule.dim] = rule.stop - rule.start
-            yield hf_name, torch.empty(tuple(kept_shape), dtype=dtype or torch.float32)
+            yield hf_name, torch.empty(tuple(kept_shape), dtype=dtype or torch.float32,
+                                       device="meta")
             return
     if rule is not None and rule.dim == 0 and not rule.first_rank_only and not permuted:
         start, stop = rule.span(shape[0])

@@ -21,6 +21,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantiz
 from gguf.quants import quant_shape_to_byte_shape
 
 from loom.errors import InvalidModelError, UnsupportedModelError
+from loom.loader.page_cache import cached_fraction, drop_cached, map_populated
 
 # GGUFValueType -> struct format of fixed-size scalars (little endian).
 _SCALARS: dict[int, str] = {
@@ -64,6 +65,11 @@ class GGUFTensorInfo:
     shape: tuple[int, ...]
     qtype: GGMLQuantizationType
     offset: int  # absolute byte offset of the data in the file
+
+    @property
+    def as_bytes(self) -> bool:
+        """Whether the reader gives its data as uint8 bytes (blocks), not plain numbers."""
+        return self.qtype not in _PLAIN_TENSORS
 
     @property
     def nbytes(self) -> int:
@@ -244,6 +250,29 @@ class GGUFFile:
         with contextlib.suppress(OSError), open(self.path, "rb", buffering=0) as f:
             os.posix_fadvise(f.fileno(), info.offset, info.nbytes, advice)
 
+    def cached_fraction(self) -> float:
+        """The share of the file's pages in the page cache now (1.0 where it cannot tell)."""
+        return cached_fraction(self._buf)
+
+    def map_tensor(self, info: GGUFTensorInfo, drop_when_unmapped: bool) -> np.ndarray | None:
+        """A tensor's data in `tensor_data`'s layout, in a private mapping of its own (so
+        writable: copy-on-write) with all its pages read in (`page_cache.map_populated`):
+        the loader's blocks straight from the page cache, no copy. The mapping lives while
+        the array or a view of it does; with `drop_when_unmapped` its pages then leave the
+        page cache. None where the kernel cannot read a mapping in at once (`read_tensor`
+        copies the data then)."""
+        if info.nbytes == 0:
+            return None
+        mapped = map_populated(self.path, info.offset, info.nbytes, drop_when_unmapped)
+        if mapped is None:
+            return None
+        mapping, start = mapped
+        return self._shaped(info, np.frombuffer(mapping, np.uint8, info.nbytes, start))
+
+    def drop_cached(self, info: GGUFTensorInfo) -> None:
+        """Drop a tensor's pages from the page cache where nothing maps them."""
+        drop_cached(self.path, info.offset, info.nbytes)
+
     def read_tensor(self, info: GGUFTensorInfo) -> np.ndarray:
         """A copy of a tensor's data in memory this process owns (writable), in
         `tensor_data`'s layout, read with the file's read calls: one pass at the disk's (or
@@ -259,9 +288,14 @@ class GGUFFile:
                     raise InvalidModelError(
                         f"{self.path}: tensor {info.name!r} ends past the end of the file")
                 done += got
+        return self._shaped(info, out)
+
+    @staticmethod
+    def _shaped(info: GGUFTensorInfo, data: np.ndarray) -> np.ndarray:
+        """A tensor's bytes viewed in `tensor_data`'s layout."""
         if info.qtype in _PLAIN_TENSORS:
-            return out.view(np.dtype(_PLAIN_TENSORS[info.qtype])).reshape(info.shape)
-        return out.reshape(quant_shape_to_byte_shape(info.shape, info.qtype))
+            return data.view(np.dtype(_PLAIN_TENSORS[info.qtype])).reshape(info.shape)
+        return data.reshape(quant_shape_to_byte_shape(info.shape, info.qtype))
 
     def tensor_data(self, info: GGUFTensorInfo) -> np.ndarray:
         """The raw (read-only, memory-mapped) data in the layout `gguf.quants.dequantize` takes."""

@@ -188,13 +188,17 @@ class CausalLM(nn.Module):
     def _load_param(self, name: str, param: nn.Parameter, hf_name: str,
                     tensor: torch.Tensor, materialize_on: torch.device | str) -> None:
         """Copy `tensor` into parameter `name` (allocating it first if it is on meta, or
-        taking `tensor` itself as its storage where it can)."""
+        taking `tensor` itself as its storage where it can). A meta `tensor` carries no
+        values (a weight the model computes from the file's blocks, see
+        `loom.loader.gguf_file.iter_gguf_weights`): the parameter is left as it is."""
         got, want = tuple(tensor.shape), tuple(param.shape)
         if got != want:
             raise InvalidModelError(
                 f"tensor {hf_name!r} has shape {got}, config expects {want}"
                 " (the model config and the weights disagree)"
             )
+        if tensor.is_meta:
+            return
         if param.is_meta:
             owner_name, _, attr = name.rpartition(".")
             if _owns_its_storage(tensor, param.dtype, torch.device(materialize_on)):
