@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from loom.kernels.build import load_library
+from loom.kernels.pack_workers import packed_tensor
 from loom.kernels.w8a8_layout import PACKED_COLUMNS, to_packed_layout
 
 
@@ -296,7 +297,9 @@ def w4a8_packed_shape(type_id: int, n: int, k: int) -> tuple[int, int, int]:
 
 def w4a8_pack(raw: torch.Tensor, type_id: int, n: int, k: int) -> torch.Tensor:
     """The file's blocks of a [n, k] tensor of a W4A8_TYPES type (uint8, contiguous)
-    repacked as the w4a8 kernel reads them: uint8 [ceil(n / 8), records, record bytes]."""
+    repacked as the w4a8 kernel reads them: uint8 [ceil(n / 8), records, record bytes], in
+    huge pages; inside `loom.kernels.pack_workers.packing_in_background` written on a
+    worker thread by the end of that block (a first load packs thousands of them)."""
     if type_id not in W4A8_TYPES or k % w4a8_record_k(type_id):
         raise ValueError(f"w4a8 packs GGUF types {sorted(W4A8_TYPES)} with k a multiple of "
                          f"their block (32, or 256 for K-quants), got type {type_id}, k = {k}")
@@ -304,10 +307,13 @@ def w4a8_pack(raw: torch.Tensor, type_id: int, n: int, k: int) -> torch.Tensor:
     block_bytes, block_values = GGUF_C_BLOCK_TYPES[type_id]
     if raw.numel() != n * k // block_values * block_bytes:
         raise ValueError(f"{raw.numel()} bytes are not a [{n}, {k}] tensor of type {type_id}")
-    out = torch.empty(w4a8_packed_shape(type_id, n, k), dtype=torch.uint8)  # every byte set
-    if _lib().loom_w4a8_pack(type_id, raw.data_ptr(), n, k, out.data_ptr()) != 0:
-        raise ValueError(f"w4a8 cannot pack type {type_id}")
-    return out
+    lib = _lib()
+
+    def fill(out: torch.Tensor) -> None:  # every byte of `out` is written
+        if lib.loom_w4a8_pack(type_id, raw.data_ptr(), n, k, out.data_ptr()) != 0:
+            raise ValueError(f"w4a8 cannot pack type {type_id}")
+
+    return packed_tensor(w4a8_packed_shape(type_id, n, k), fill, raw.numel())
 
 
 def w4a8_dequantize(packed: torch.Tensor, type_id: int, n: int, k: int) -> torch.Tensor:

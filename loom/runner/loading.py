@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from loom.errors import InvalidModelError
-from loom.loader import load_model_files, locate_model_files, resolve_model_path
+from loom.kernels.pack_workers import packing_in_background
+from loom.loader import WeightIterator, load_model_files, locate_model_files, resolve_model_path
 from loom.models.base import CausalLM
 from loom.models.block_embedding import BlockInt8Embedding
 from loom.models.config import ModelConfig
@@ -87,16 +88,10 @@ def build_model(
                                    select=model.weight_selector(),
                                    keep_blocks=keep_blocks).weights
     _allocate_buffers(model, device)
-    layers = _LayerPreparer(model, dtype, method)
-    try:
-        model.load_weights(weights, on_loaded=layers.loaded, materialize_on=device)
-    except InvalidModelError as exc:
-        if str(source.path) in str(exc):  # a file-level error already names the file
-            raise
-        raise InvalidModelError(f"{source.path}: {exc}") from None
-    if model.tie_embeddings:  # the output projection still holds the embedding's meta tensor
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model = _prepare(model, dtype, method)
+    # Packed weights are written on worker threads while the loader goes on; all of them
+    # by the end of the block, before anything reads them.
+    with packing_in_background():
+        _load_and_prepare(model, weights, dtype, device, method, source.path)
     release_freed_memory()
     if cache is not None:  # written while the model runs (see loom.runner.prepared)
         embedding = model.model.embed_tokens
@@ -104,6 +99,31 @@ def build_model(
         save_prepared_in_background(cache, model, hf_config,
                                     {"embedding": kind, "w4a8_blocks": kept})
     return config, _for_inference(model)
+
+
+def _load_and_prepare(model: CausalLM, weights: WeightIterator, dtype: torch.dtype,
+                      device: torch.device | str, method: QuantMethod, path: Path) -> None:
+    """Fill the model built on the meta device from `weights`, preparing each decoder layer
+    as soon as it has loaded, then the rest (`_prepare`)."""
+    layers = _LayerPreparer(model, dtype, method)
+    try:
+        model.load_weights(weights, on_loaded=layers.loaded, materialize_on=device)
+    except InvalidModelError as exc:
+        if str(path) in str(exc):  # a file-level error already names the file
+            raise
+        raise InvalidModelError(f"{path}: {exc}") from None
+    if model.tie_embeddings:  # the output projection still holds the embedding's meta tensor
+        model.lm_head.weight = model.model.embed_tokens.weight
+    _prepare(model, dtype, method)
+    _check_materialized(model)
+
+
+def _check_materialized(model: CausalLM) -> None:
+    """RuntimeError naming a tensor left on the meta device: a weight the loader gave no
+    values (its file blocks were kept) whose module the preparation did not rebuild."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_meta:
+            raise RuntimeError(f"{name} has no values after loading (meta tensor)")
 
 
 def model_architecture(hf_config: dict[str, Any]) -> tuple[type[CausalLM], ModelConfig]:
