@@ -100,14 +100,28 @@ static void w4_pack_q4k(const uint8_t *b, float *d, float *dmin, uint8_t sc[8],
                         uint8_t mn[8], uint8_t *r, int c) {
     *d = f16_to_f32(b), *dmin = f16_to_f32(b + 2);
     k_scale_min(b + 4, sc, mn);
-    for (int j = 0; j < 8; j++) {
-        const uint8_t *src = b + 16 + 32 * (j / 2);
-        const int shift = 4 * (j % 2);
-        uint8_t *lo = r + 192 + j * 128 + c * 4;
-        for (int v = 0; v < 4; v++)
-            for (int i = 0; i < 4; i++)
-                lo[v * 32 + i] = (uint8_t)(((src[8 * v + i] >> shift) & 0x0F) |
-                                           (((src[8 * v + 4 + i] >> shift) & 0x0F) << 4));
+    /* Blocks 2p and 2p + 1 are the low and high nibbles of the same 32 file bytes. With
+     * nib = those nibbles, lo[v * 32 + i] = nib[8 v + i] | nib[8 v + 4 + i] << 4: each
+     * 16-byte half is shuffled to [v lows | v + 1 lows | v highs | v + 1 highs] (4 bytes
+     * each), the halves' lows and highs joined, the highs shifted into the upper nibble (a
+     * 16-bit shift: every byte is below 16, so nothing crosses into its neighbour), and
+     * lane v stored at lo + 32 v. */
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m128i order = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int p = 0; p < 4; p++) {
+        const __m128i x0 = _mm_loadu_si128((const __m128i *)(b + 16 + 32 * p));
+        const __m128i x1 = _mm_loadu_si128((const __m128i *)(b + 32 + 32 * p));
+        for (int half = 0; half < 2; half++) {
+            const __m128i n0 = _mm_shuffle_epi8(
+                _mm_and_si128(half ? _mm_srli_epi16(x0, 4) : x0, nibble), order);
+            const __m128i n1 = _mm_shuffle_epi8(
+                _mm_and_si128(half ? _mm_srli_epi16(x1, 4) : x1, nibble), order);
+            const __m128i lows = _mm_unpacklo_epi64(n0, n1), highs = _mm_unpackhi_epi64(n0, n1);
+            uint32_t lanes[4];
+            _mm_storeu_si128((__m128i *)lanes, _mm_or_si128(lows, _mm_slli_epi16(highs, 4)));
+            uint8_t *lo = r + 192 + (2 * p + half) * 128 + c * 4;
+            for (int v = 0; v < 4; v++) memcpy(lo + v * 32, &lanes[v], 4);
+        }
     }
 }
 
