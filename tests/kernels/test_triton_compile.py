@@ -68,7 +68,8 @@ for q_dtype, kv_dtype, block_q in json.loads(sys.argv[1]):
         "q_ptr": f"*{q_dtype}", "k_ptr": f"*{kv_dtype}", "v_ptr": f"*{kv_dtype}",
         "tables_ptr": "*i64", "seq_lens_ptr": "*i64", "q_start_ptr": "*i64",
         "work_seq_ptr": "*i32", "work_qoff_ptr": "*i32", "real_lens_ptr": "*i64",
-        "sinks_ptr": "*fp32", "out_ptr": f"*{q_dtype}", "acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
+        "sinks_ptr": "*fp32", "out_ptr": f"*{q_dtype}", "acc_ptr": "*fp32", "m_ptr": "*fp32",
+        "l_ptr": "*fp32",
         "scale": "fp32", "softcap": "fp32", "window": "i32", "num_rows": "i32",
         "max_blocks": "i32",
     }
