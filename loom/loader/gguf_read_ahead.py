@@ -50,6 +50,9 @@ class ReadAhead:
         self._queued: deque[tuple[int, Future[np.ndarray]]] = deque()
         self._queued_bytes = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-gguf-read")
+        # The disk is asked on a thread of its own: the call allocates the pages and queues
+        # their reads, milliseconds the loader's thread would wait.
+        self._asker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-gguf-ask")
         self._top_up()
 
     def _nbytes(self, index: int) -> int:
@@ -76,7 +79,7 @@ class ReadAhead:
         while self._asked < len(self._planned) and (
                 self._asked_bytes + self._nbytes(self._planned[self._asked]) <= PREFETCH_BYTES):
             index = self._planned[self._asked]
-            self._reader.prefetch(self._reader.tensors[index])
+            self._asker.submit(self._reader.prefetch, self._reader.tensors[index])
             self._asked_bytes += self._nbytes(index)
             self._asked += 1
 
@@ -118,3 +121,4 @@ class ReadAhead:
         self._next = self._asked = len(self._planned)
         self._queued.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._asker.shutdown(wait=False, cancel_futures=True)

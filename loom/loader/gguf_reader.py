@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import math
 import mmap
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantiz
 from gguf.quants import quant_shape_to_byte_shape
 
 from loom.errors import InvalidModelError, UnsupportedModelError
-from loom.loader.page_cache import cached_fraction, drop_cached, map_populated
+from loom.loader.page_cache import FilePages, cached_fraction
 
 # GGUFValueType -> struct format of fixed-size scalars (little endian).
 _SCALARS: dict[int, str] = {
@@ -97,6 +96,7 @@ class GGUFFile:
                 f"{self.path}: {what}, not a complete GGUF file (an interrupted download?)"
             )
         self._buf = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self._pages = FilePages(self.path)
         self._raw = memoryview(self._buf)
         self.metadata: dict[str, Any] = {}
         self.tensors: list[GGUFTensorInfo] = []
@@ -244,11 +244,7 @@ class GGUFFile:
     def prefetch(self, info: GGUFTensorInfo) -> None:
         """Ask the kernel to start reading a tensor's data into the page cache in the
         background (a loader prefetches the next tensor while it converts this one)."""
-        advice = getattr(os, "POSIX_FADV_WILLNEED", None)
-        if advice is None or info.nbytes == 0:
-            return
-        with contextlib.suppress(OSError), open(self.path, "rb", buffering=0) as f:
-            os.posix_fadvise(f.fileno(), info.offset, info.nbytes, advice)
+        self._pages.prefetch(info.offset, info.nbytes)
 
     def cached_fraction(self) -> float:
         """The share of the file's pages in the page cache now (1.0 where it cannot tell)."""
@@ -263,7 +259,7 @@ class GGUFFile:
         copies the data then)."""
         if info.nbytes == 0:
             return None
-        mapped = map_populated(self.path, info.offset, info.nbytes, drop_when_unmapped)
+        mapped = self._pages.map_populated(info.offset, info.nbytes, drop_when_unmapped)
         if mapped is None:
             return None
         mapping, start = mapped
@@ -271,7 +267,7 @@ class GGUFFile:
 
     def drop_cached(self, info: GGUFTensorInfo) -> None:
         """Drop a tensor's pages from the page cache where nothing maps them."""
-        drop_cached(self.path, info.offset, info.nbytes)
+        self._pages.drop(info.offset, info.nbytes)
 
     def read_tensor(self, info: GGUFTensorInfo) -> np.ndarray:
         """A copy of a tensor's data in memory this process owns (writable), in

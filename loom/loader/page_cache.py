@@ -2,7 +2,7 @@
 
 A first load of a quantised GGUF reads most of the file once and never again (a warm start
 reads the prepared weights). Its blocks are used straight from the page cache through a
-private mapping of each tensor (`map_populated`): no copy, and none of the fresh memory a
+private mapping of each tensor (`FilePages.map_populated`): no copy, and none of the fresh memory a
 copy would be written into, which on a virtual machine costs as much as the copy's data
 twice over (every page a guest writes for the first time faults in the hypervisor too:
 measured on a 2-core EPYC guest, 0.8 s a GB). The pages are read in by one call
@@ -29,39 +29,52 @@ import numpy as np
 _MADV_POPULATE_READ = 22
 
 
-def drop_cached(path: Path, offset: int, nbytes: int) -> None:
-    """Drop the file's pages in [offset, offset + nbytes) from the page cache where nothing
-    maps them (clean pages: a later read gets them from the disk again)."""
-    advice = getattr(os, "POSIX_FADV_DONTNEED", None)
-    if advice is None or nbytes <= 0:
-        return
-    with contextlib.suppress(OSError), open(path, "rb", buffering=0) as f:
-        os.posix_fadvise(f.fileno(), offset, nbytes, advice)
+class FilePages:
+    """A file's pages through one read-only descriptor, open while this object or a mapping
+    made from it lives (a loader's calls, many a second on two threads, open nothing)."""
 
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self._fd)
 
-def map_populated(path: Path, offset: int, nbytes: int,
-                  drop_when_unmapped: bool) -> tuple[mmap.mmap, int] | None:
-    """A private (copy-on-write, so writable) mapping of the file's bytes [offset, offset +
-    nbytes) with every page read in and mapped, and where those bytes start in it; None
-    where the kernel cannot read a mapping in at once (before Linux 5.14). The mapping lives
-    as long as anything refers to it (a numpy array over it, and every view of that); with
-    `drop_when_unmapped`, its pages are then dropped from the page cache."""
-    if not hasattr(mmap, "MAP_PRIVATE"):  # not a POSIX system
-        return None
-    start = offset - offset % mmap.ALLOCATIONGRANULARITY
-    length = offset + nbytes - start
-    with open(path, "rb", buffering=0) as f:
-        mapping = mmap.mmap(f.fileno(), length, flags=mmap.MAP_PRIVATE,
+    def _advise(self, offset: int, nbytes: int, advice: int | None) -> None:
+        if advice is None or nbytes <= 0:
+            return
+        with contextlib.suppress(OSError):  # advice is only advice
+            os.posix_fadvise(self._fd, offset, nbytes, advice)
+
+    def prefetch(self, offset: int, nbytes: int) -> None:
+        """Ask the disk for the pages of [offset, offset + nbytes) in the background."""
+        self._advise(offset, nbytes, getattr(os, "POSIX_FADV_WILLNEED", None))
+
+    def drop(self, offset: int, nbytes: int) -> None:
+        """Drop the pages of [offset, offset + nbytes) from the page cache where nothing maps
+        them (clean pages: a later read gets them from the disk again)."""
+        self._advise(offset, nbytes, getattr(os, "POSIX_FADV_DONTNEED", None))
+
+    def map_populated(self, offset: int, nbytes: int,
+                      drop_when_unmapped: bool) -> tuple[mmap.mmap, int] | None:
+        """A private (copy-on-write, so writable) mapping of the bytes [offset, offset +
+        nbytes) with every page read in and mapped, and where those bytes start in it; None
+        where the kernel cannot read a mapping in at once (before Linux 5.14). The mapping
+        lives as long as anything refers to it (a numpy array over it, and every view of
+        that); with `drop_when_unmapped`, its pages are then dropped from the page cache."""
+        if not hasattr(mmap, "MAP_PRIVATE"):  # not a POSIX system
+            return None
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        length = offset + nbytes - start
+        mapping = mmap.mmap(self._fd, length, flags=mmap.MAP_PRIVATE,
                             prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
-    try:
-        mapping.madvise(_MADV_POPULATE_READ)
-    except (OSError, ValueError):
-        mapping.close()
-        return None
-    if drop_when_unmapped:
-        finalizer = weakref.finalize(mapping, drop_cached, path, start, length)
-        finalizer.atexit = False  # a process that exits frees the pages anyway
-    return mapping, offset - start
+        try:
+            mapping.madvise(_MADV_POPULATE_READ)
+        except (OSError, ValueError):
+            mapping.close()
+            return None
+        if drop_when_unmapped:
+            finalizer = weakref.finalize(mapping, self.drop, start, length)
+            finalizer.atexit = False  # a process that exits frees the pages anyway
+        return mapping, offset - start
 
 
 @functools.cache

@@ -28,8 +28,8 @@ def moe_file(tmp_path_factory) -> Path:
 def test_a_mapped_tensor_is_the_files_bytes_and_writable(moe_file, monkeypatch):
     reader = GGUFFile(moe_file)
     dropped: list[tuple[int, int]] = []
-    monkeypatch.setattr(page_cache, "drop_cached",
-                        lambda path, offset, nbytes: dropped.append((offset, nbytes)))
+    monkeypatch.setattr(page_cache.FilePages, "drop",
+                        lambda self, offset, nbytes: dropped.append((offset, nbytes)))
     for info in reader.tensors:
         mapped = reader.map_tensor(info, drop_when_unmapped=True)
         if mapped is None:
