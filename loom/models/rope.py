@@ -88,11 +88,6 @@ def resolve_rope(t: dict[str, Any], layer_type: str = "full_attention") -> RopeS
     with no scaling.
     """
     params = t.get("rope_parameters")
-    if isinstance(params, dict) and params:
-        if layer_type in params and isinstance(params[layer_type], dict):
-            params = params[layer_type]
-        elif "full_attention" in params and isinstance(params["full_attention"], dict):
-            params = params["full_attention"]
     max_position = t.get("max_position_embeddings")
     if isinstance(params, dict) and params:
         if layer_type in params and isinstance(params[layer_type], dict):
