@@ -223,19 +223,33 @@ def test_paged_attention_chunks_are_causal(window: int | None, cache_dtype: torc
     starts = torch.tensor([0, 5, 14])
     out = paged_attention(q, starts, stored, tables, torch.tensor(seq_lens), 300, 0.2, window,
                           None)
-    for i, (length, ql) in enumerate(zip(seq_lens, q_lens, strict=True)):
-        keys = cache[0][tables[i]].reshape(-1, kv_heads, dim)[:length].repeat_interleave(4, 1)
-        vals = cache[1][tables[i]].reshape(-1, kv_heads, dim)[:length].repeat_interleave(4, 1)
-        rows = q[starts[i] : starts[i + 1]]
-        scores = torch.einsum("qhd,khd->hqk", rows, keys) * 0.2
-        q_pos = torch.arange(length - ql, length)[:, None]
-        k_pos = torch.arange(length)[None, :]
-        visible = k_pos <= q_pos
-        if window:
-            visible &= k_pos > q_pos - window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals)
+    for i, length in enumerate(seq_lens):
+        ref = _dense_attention(q[starts[i] : starts[i + 1]], cache, tables[i], length, 4,
+                               window)
         torch.testing.assert_close(out[starts[i] : starts[i + 1]], ref, atol=1e-5, rtol=1e-5)
+
+
+def _dense_attention(rows: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
+                     length: int, group: int, window: int | None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: the last len(rows) positions of a sequence of `length` over its keys
+    gathered from the paged float32 `cache` by `table`, scale 0.2, causal (and windowed), a
+    softmax over the scores (and each head's sink column, then dropped)."""
+    ql, kv_heads, dim = rows.shape[0], cache.shape[3], cache.shape[4]
+    keys = cache[0][table].reshape(-1, kv_heads, dim)[:length].repeat_interleave(group, 1)
+    vals = cache[1][table].reshape(-1, kv_heads, dim)[:length].repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", rows, keys) * 0.2
+    q_pos = torch.arange(length - ql, length)[:, None]
+    k_pos = torch.arange(length)[None, :]
+    visible = k_pos <= q_pos
+    if window:
+        visible &= k_pos > q_pos - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        heads = scores.shape[0]
+        scores = torch.cat([scores, sinks.view(heads, 1, 1).expand(heads, ql, 1)], dim=-1)
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1)[..., :-1], vals)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals)
 
 
 @pytest.mark.parametrize("window", [None, 100, 200])
@@ -333,18 +347,7 @@ def test_paged_attention_sinks_join_each_rows_softmax(window: int | None) -> Non
     sinks[0] = 40.0  # a sink above every score: that head's outputs shrink towards zero
     out = paged_attention(q, torch.tensor([0, ql]), cache, tables, torch.tensor([length]),
                           length, 0.2, window, None, sinks=sinks)
-    keys = cache[0].float()[tables[0]].reshape(-1, kv_heads, dim)[:length]
-    vals = cache[1].float()[tables[0]].reshape(-1, kv_heads, dim)[:length]
-    keys, vals = keys.repeat_interleave(group, 1), vals.repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q, keys) * 0.2
-    q_pos = torch.arange(length - ql, length)[:, None]
-    k_pos = torch.arange(length)[None, :]
-    visible = k_pos <= q_pos
-    if window:
-        visible &= k_pos > q_pos - window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    with_sink = torch.cat([scores, sinks.view(heads, 1, 1).expand(heads, ql, 1)], dim=-1)
-    ref = torch.einsum("hqk,khd->qhd", with_sink.softmax(-1)[..., :-1], vals)
+    ref = _dense_attention(q, cache.float(), tables[0], length, group, window, sinks)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     plain = paged_attention(q, torch.tensor([0, ql]), cache, tables, torch.tensor([length]),
                             length, 0.2, window, None)
