@@ -202,8 +202,13 @@ def add_tiny_tokenizer(writer: Any, tokenizer_json: Path, pre: str) -> None:
     """The tiny tokenizer (tiny_reference.build_tiny_tokenizer's tokenizer.json) as a GGUF
     byte-level BPE vocabulary: tokens in id order, its specials CONTROL, its merges, and
     the `pre`-tokenizer name (the split for text; token-id prompts do not use it)."""
-    model = json.loads(tokenizer_json.read_text())["model"]
+    saved = json.loads(tokenizer_json.read_text())
+    model = saved["model"]
     tokens = sorted(model["vocab"], key=model["vocab"].get)
+    # Tokens added after training (special ones) follow the trained vocabulary.
+    added = sorted((t["id"], t["content"]) for t in saved["added_tokens"])
+    tokens += [content for token_id, content in added if token_id >= len(tokens)]
+    assert all(tokens[token_id] == content for token_id, content in added)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
@@ -212,7 +217,7 @@ def add_tiny_tokenizer(writer: Any, tokenizer_json: Path, pre: str) -> None:
 
 
 def write_tiny_gpt_oss(path: Path, model: Any, dense: int = Q8_0,
-                       expert_count: int | None = None) -> Path:
+                       expert_count: int | None = None, harmony: bool = False) -> Path:
     """A gpt-oss GGUF at `path` of a transformers GptOssForCausalLM `model`'s weights, laid
     out as llama.cpp's converter writes it: the experts' gate, up and down as 3-D MXFP4
     tensors [experts, out, in] (HF's fused gate_up_proj [experts, in, 2 x out], gate and up
@@ -220,13 +225,15 @@ def write_tiny_gpt_oss(path: Path, model: Any, dense: int = Q8_0,
     sinks, the router and every other bias float32; q/k/v/o, the embedding and the output
     projection in `dense` (F32, F16, BF16 or Q8_0); `expert_count`: the count written in
     the header (default: the model's). The tiny tokenizer (`build_tiny_tokenizer`, written
-    beside the file) is its vocabulary, under gpt-oss's pre-tokenizer name."""
+    beside the file) is its vocabulary, under gpt-oss's pre-tokenizer name; with `harmony`,
+    followed by the harmony format's special tokens, `<|return|>` its end token."""
     import gguf
-    from tiny_reference import build_tiny_tokenizer
+    from tiny_reference import HARMONY_TOKENS, build_tiny_tokenizer
 
     c = model.config
     rope = c.rope_parameters
-    build_tiny_tokenizer(path.parent)
+    vocab = build_tiny_tokenizer(path.parent, harmony=harmony)
+    assert c.vocab_size >= vocab, "the model's vocabulary must cover the tokenizer's"
     writer = llama_writer(path, c.hidden_size, c.intermediate_size, c.num_hidden_layers,
                           c.num_attention_heads, c.num_key_value_heads,
                           c.max_position_embeddings, arch="gpt-oss", eps=c.rms_norm_eps,
@@ -242,7 +249,9 @@ def write_tiny_gpt_oss(path: Path, model: Any, dense: int = Q8_0,
     writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     add_tiny_tokenizer(writer, path.parent / "tokenizer.json", pre="gpt-4o")
     writer.add_bos_token_id(c.bos_token_id)
-    writer.add_eos_token_id(c.eos_token_id)
+    # With harmony, <|return|> (the tokenizer's end token) ends a generation.
+    end = vocab - len(HARMONY_TOKENS) + HARMONY_TOKENS.index("<|return|>")
+    writer.add_eos_token_id(end if harmony else c.eos_token_id)
     writer.add_pad_token_id(c.pad_token_id)
     w = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
 

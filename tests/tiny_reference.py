@@ -20,8 +20,15 @@ _CORPUS = [
 ] * 20
 
 
-def build_tiny_tokenizer(folder: Path) -> int:
-    """Train a byte-level BPE tokenizer of exactly TINY_VOCAB tokens into `folder`."""
+# gpt-oss's harmony format's special tokens (a tiny harmony model's vocabulary ends in them).
+HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+                  "<|return|>", "<|call|>", "<|startoftext|>", "<|endoftext|>")
+
+
+def build_tiny_tokenizer(folder: Path, harmony: bool = False) -> int:
+    """Train a byte-level BPE tokenizer of at most TINY_VOCAB tokens into `folder`; with
+    `harmony`, HARMONY_TOKENS follow as special tokens and `<|return|>` is the end token.
+    Returns the vocabulary's size (added tokens included)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -34,15 +41,17 @@ def build_tiny_tokenizer(folder: Path) -> int:
         show_progress=False,
     )
     tok.train_from_iterator(_CORPUS, trainer)
+    if harmony:
+        tok.add_special_tokens(list(HARMONY_TOKENS))
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(
         json.dumps(
             {
                 "bos_token": "<bos>",
-                "eos_token": "<eos>",
+                "eos_token": "<|return|>" if harmony else "<eos>",
                 "pad_token": "<pad>",
-                "add_bos_token": True,
+                "add_bos_token": not harmony,
             }
         )
     )

@@ -21,6 +21,7 @@ from loom.server import (
 from loom.server.api_docs import document_responses
 from loom.server.engine_scope import EngineScope
 from loom.server.errors import install_error_handlers
+from loom.server.harmony_chat import HarmonyChat
 from loom.server.limits import BodySizeLimit, JSONBodies
 from loom.server.reasoning import select_parser
 from loom.server.response_service import ResponseService
@@ -40,12 +41,16 @@ def build_app(engine: EngineClient, config: ServerConfig) -> FastAPI:
         engine_config.model_path, engine_config.tokenizer_path, config.chat_template
     )
     template = engine.inputs.chat_template
+    # A harmony model (gpt-oss: its vocabulary carries the format's tokens) is served in its
+    # format, unless a chat template given on the command line says otherwise.
+    harmony = None if config.chat_template else HarmonyChat.for_tokenizer(engine.tokenizer)
     state = ServerState(
         engine=engine,
         config=config,
         metrics=MetricsExporter(engine_config, config.served_model_name),
-        reasoning=select_parser(config.reasoning_parser,
-                                template.template if template is not None else None),
+        reasoning=None if harmony is not None else select_parser(
+            config.reasoning_parser, template.template if template is not None else None),
+        harmony=harmony,
     )
     app = FastAPI(
         title="Loom", version=loom.__version__,

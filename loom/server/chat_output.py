@@ -1,29 +1,39 @@
-"""A chat choice's text as a chat completion gives it: a thinking model's reasoning split off
-as `reasoning_content` (`reasoning.py`), then the content parsed for tool calls
-(`tool_calls.py`: calls are looked for in the content only), as a whole `message` or as
-stream `delta`s. Without a reasoning parser or tools the text is the content, as it was."""
+"""A chat choice's output as a chat completion gives it, split by its format
+(`output_split.py`: a thinking model's reasoning as `reasoning_content`, then the content
+and tool calls), as a whole `message` or as stream `delta`s. Without reasoning or tools the
+text is the content, as it was."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from loom.server import tool_calls
-from loom.server.reasoning import ReasoningStream, split
+from loom.server.output_split import OutputSplit
 
 
-def message(text: str, reasoning: ReasoningStream | None,
-            names: frozenset[str] | None) -> dict[str, Any]:
-    """A whole choice's `message` (`reasoning`: a fresh stream for this output, None without
-    a parser; `names`: the offered tools' names, None when the text holds no calls).
-    With a parser, `reasoning_content` is present (null without reasoning), and an output
-    that is all reasoning has null content."""
-    if reasoning is None:
-        return tool_calls.message(text, names)
-    thought, content = split(reasoning, text)
-    body = tool_calls.message(content or "", names)
-    if content is None and thought is not None:
+def message(split: OutputSplit, text: str, token_ids: Sequence[int],
+            with_calls: bool) -> dict[str, Any]:
+    """A whole choice's `message` through a fresh `split` (`with_calls`: tools were offered,
+    so content is null when calls come without text). Where the format has reasoning,
+    `reasoning_content` is present (null without reasoning), and an output that is all
+    reasoning has null content."""
+    thought, pieces = split.feed(text, token_ids)
+    more_thought, more_pieces = split.finish()
+    thought += more_thought
+    content = "".join(p for p in [*pieces, *more_pieces] if isinstance(p, str))
+    calls = split.calls
+    body: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        body = {"role": "assistant", "content": content or None,
+                "tool_calls": [c.as_dict() for c in calls]}
+    elif with_calls:
+        body["content"] = content or ""
+    if not split.splits_reasoning:
+        return body
+    if not content and thought:
         body["content"] = None
-    return {**body, "reasoning_content": thought}
+    return {**body, "reasoning_content": thought or None}
 
 
 def usage(base: dict[str, int], reasoning_tokens: int | None) -> dict[str, Any]:
@@ -35,34 +45,31 @@ def usage(base: dict[str, int], reasoning_tokens: int | None) -> dict[str, Any]:
 
 
 class ChoiceDeltas:
-    """One streamed choice: each step's text as `delta`s (reasoning first, then content and
-    calls), and what the whole choice held (`reasoning_text`, `calls`)."""
+    """One streamed choice: each step's delta as chat `delta`s (reasoning first, then content
+    and calls), and what the whole choice held (`reasoning_text`, `calls`)."""
 
-    def __init__(self, reasoning: ReasoningStream | None,
-                 names: frozenset[str] | None) -> None:
-        self._reasoning = reasoning
-        self._calls = tool_calls.ToolCallParser(names) if names else None
-        self.reasoning_text = ""
+    def __init__(self, split: OutputSplit) -> None:
+        self._split = split
 
     @property
     def calls(self) -> int:
         """Tool calls streamed so far."""
-        return len(self._calls.calls) if self._calls is not None else 0
+        return len(self._split.calls)
 
-    def deltas(self, text: str, finished: bool) -> list[dict[str, Any]]:
-        """The deltas of a step's `text` (`finished`: the output ended with it; what was held
-        back is given out)."""
-        if self._reasoning is None:
-            thought, content = "", text
-        else:
-            thought, content = self._reasoning.feed(text)
-            if finished:
-                more_thought, more_content = self._reasoning.finish()
-                thought, content = thought + more_thought, content + more_content
-        self.reasoning_text += thought
+    @property
+    def reasoning_text(self) -> str:
+        """The reasoning streamed so far."""
+        return self._split.reasoning_text
+
+    def deltas(self, text: str, token_ids: Sequence[int], finished: bool
+               ) -> list[dict[str, Any]]:
+        """The deltas of a step's `text` and `token_ids` (`finished`: the output ended with
+        it; what was held back is given out)."""
+        before = len(self._split.calls)
+        thought, pieces = self._split.feed(text, token_ids)
+        if finished:
+            more_thought, more_pieces = self._split.finish()
+            thought, pieces = thought + more_thought, pieces + more_pieces
         out = [{"reasoning_content": thought}] if thought else []
-        if self._calls is None:
-            return out + ([{"content": content}] if content else [])
-        before = len(self._calls.calls)
-        pieces = self._calls.feed(content) + (self._calls.finish() if finished else [])
-        return out + tool_calls.stream_deltas(pieces, before)
+        return out + tool_calls.stream_deltas([p for p in pieces if p != ""], before)
+

@@ -80,3 +80,18 @@ async def constrain(state: Any, params: SamplingParams, requested: StructuredOut
     params = params.with_updates(structured_outputs=requested)
     await check_constraint(state.engine, params, param)
     return params
+
+
+async def constrain_chat(state: Any, params: SamplingParams,
+                         requested: StructuredOutputsParams | None, param: str,
+                         tools: ToolPlan | None = None) -> SamplingParams:
+    """`constrain` for a chat output (chat completions, Responses): a harmony model's output
+    is held to its format instead (`harmony_chat.HarmonyChat.held_to_format`: the grammar
+    constrains a call's arguments and the final message, and the format's tokens end it),
+    checked to compile (a 400 naming `tools` when tools are offered, else `param`)."""
+    if state.harmony is None:
+        return await constrain(state, params, requested, param, tools)
+    params = state.harmony.held_to_format(params, tools, requested)
+    await check_constraint(state.engine, params,
+                           "tools" if tools is not None and tools.offered else param)
+    return params

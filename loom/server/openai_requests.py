@@ -63,6 +63,9 @@ class ChatCompletionRequest(SamplingFields, ConstraintFields, ToolFields, Reques
     add_generation_prompt: bool = True
     # vLLM's: extra variables for the chat template (e.g. {"enable_thinking": false}).
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: how hard a reasoning model thinks; a harmony model's (gpt-oss) system message
+    # says it (low, medium, high). Other models' templates do not read it.
+    reasoning_effort: str | None = None
 
 
 class TokenizeRequest(RequestBody):

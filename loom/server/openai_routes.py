@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from loom.engine.outputs import OutputAccumulator, RequestOutput
 from loom.errors import LoomError
 from loom.server import chat_output, tool_calls
-from loom.server.constraints import constrain, requested_constraint
+from loom.server.constraints import constrain, constrain_chat, requested_constraint
 from loom.server.errors import APIError, as_api_error, error_body
 from loom.server.http_requests import authenticated, get_state, unless_disconnected
 from loom.server.protocol import (
@@ -259,12 +259,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
     constraint, field = requested_constraint(body)
     tools = plan_tools(body, constrained=constraint is not None)
     ids = state.chat_ids(body.messages, body.add_generation_prompt,
-                         tools if tools.offered else None, body.chat_template_kwargs)
+                         tools if tools.offered else None, body.chat_template_kwargs,
+                         body.reasoning_effort)
     requested = body.max_completion_tokens or body.max_tokens
     top_n = body.top_logprobs or 0
-    params = await constrain(state, body.sampling_params(state.max_tokens(requested, len(ids)),
-                                                         top_n if body.logprobs else None),
-                             constraint, field, tools)
+    params = await constrain_chat(
+        state, body.sampling_params(state.max_tokens(requested, len(ids)),
+                                    top_n if body.logprobs else None),
+        constraint, field, tools)
     params = params.with_updates(prompt_logprobs=body.prompt_logprobs)
     cid = f"chatcmpl-{uuid.uuid4().hex}"
     stream = state.stream(ids, params, cid)
@@ -276,8 +278,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
         out = await unless_disconnected(request, _gathered(stream))
         choices, thoughts = [], []
         for comp in out.outputs:
-            message = chat_output.message(comp.text, state.reasoning_stream(ids, constrained),
-                                          names)
+            message = chat_output.message(state.output_split(ids, constrained, names),
+                                          comp.text, comp.token_ids, names is not None)
             thoughts.append(message.get("reasoning_content") or "")
             choices.append({
                 "index": comp.index, "message": message,
@@ -294,9 +296,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                 **({"children": request_tree(out)} if out.children else {})}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    # Each choice's text: reasoning split off, then (with tools) a parser that holds back
-    # what may be a call and gives each call whole (chat_output.py).
-    writers = [chat_output.ChoiceDeltas(state.reasoning_stream(ids, constrained), names)
+    # Each choice's output split by its format: reasoning, then content and calls (with
+    # tools, what may be a call is held back and each call is given whole: chat_output.py).
+    writers = [chat_output.ChoiceDeltas(state.output_split(ids, constrained, names))
                for _ in range(body.n)]
 
     async def events() -> AsyncIterator[str]:
@@ -316,7 +318,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request,
             for comp in out.outputs:  # deltas: the engine held back what a stop may cut
                 finished = comp.finish_reason is not None
                 writer = writers[comp.index]
-                parts = writer.deltas(comp.text, finished)
+                parts = writer.deltas(comp.text, comp.token_ids, finished)
                 if not parts and (finished or (body.logprobs and comp.token_ids)):
                     parts = [{}]  # the finish reason, or logprobs of held-back text
                 reason = comp.finish_reason

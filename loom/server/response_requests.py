@@ -28,7 +28,7 @@ from loom.server.request_base import (
 # Loom's behaviour, a prompt past the context is a 400.)
 IGNORED_RESPONSE_FIELDS = frozenset({
     "service_tier", "safety_identifier", "prompt_cache_key", "include", "truncation",
-    "user", "reasoning", "stream_options", "top_logprobs", "prompt_cache_retention",
+    "user", "stream_options", "top_logprobs", "prompt_cache_retention",
 })
 
 
@@ -65,6 +65,16 @@ class ResponseFunctionTool(StrictModel):
             strict=self.strict))
 
 
+class ResponseReasoning(StrictModel):
+    """`reasoning`: how hard a reasoning model thinks (`effort`: a harmony model's system
+    message says it; other models' templates do not read it). Summaries of reasoning are not
+    produced (`summary` changes nothing)."""
+
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+
+
 class ResponseNamedToolChoice(StrictModel):
     """`tool_choice: {"type": "function", "name": ...}`."""
 
@@ -83,6 +93,7 @@ class ResponsesRequest(RequestBody):
     tool_choice: Literal["none", "auto", "required"] | ResponseNamedToolChoice | None = None
     parallel_tool_calls: bool = True
     text: ResponseText | None = None
+    reasoning: ResponseReasoning | None = None
     max_output_tokens: MaxTokens | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)

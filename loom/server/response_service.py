@@ -45,7 +45,7 @@ from loom.errors import (
     UnknownRequestError,
 )
 from loom.sampling_params import RequestOutputKind, SamplingParams
-from loom.server.constraints import constrain
+from loom.server.constraints import constrain_chat
 from loom.server.protocol import ChatMessage, ResponsesRequest
 from loom.server.response_input import input_messages, new_id, text_constraint
 from loom.server.response_store import ResponseStore, StoredResponse
@@ -82,13 +82,17 @@ class ResponseService:
             if body.instructions else history
         constraint = text_constraint(body)
         tools = plan_tools(body.chat_tools(), constrained=constraint is not None)
-        ids = state.chat_ids(rendered, True, tools if tools.offered else None)
+        effort = body.reasoning.effort if body.reasoning is not None else None
+        ids = state.chat_ids(rendered, True, tools if tools.offered else None,
+                             reasoning_effort=effort)
         limit = state.max_tokens(body.max_output_tokens, len(ids))
-        params = await constrain(state, body.sampling_params(limit), constraint, "text.format",
-                                 tools)
+        params = await constrain_chat(state, body.sampling_params(limit), constraint,
+                                      "text.format", tools)
         params = params.with_updates(output_kind=RequestOutputKind.DELTA)
+        split = state.output_split(ids, params.structured_outputs is not None,
+                                   tools.names if tools.parses else None)
         turn = ResponseTurn(self, body, new_id("resp"), owner, ids, history, items, tools,
-                            state.reasoning_stream(ids, params.structured_outputs is not None))
+                            split)
         await self._open_session(turn, previous, params)
         if body.store:
             await self._evict(self.store.put(StoredResponse(

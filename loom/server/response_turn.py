@@ -3,10 +3,12 @@ the Responses API's events (plain dicts: the output items and their text and cal
 the last one carrying the whole response). The turn knows no transport, and tells its host
 (the response service) how it ended: finished (stored or closed) or abandoned.
 
-With a reasoning parser (`reasoning.py`), a thinking model's reasoning is a `reasoning` item
-(its text a `reasoning_text` content part) before the message and calls, which are read from
-the answer only. The conversation the next turn renders keeps the output as generated (the
-think block included: the session's tokens), so a continuation shares as much as before."""
+The output is split by its format (`output_split.py`): a thinking model's reasoning (think
+tags, or a harmony model's analysis channel) is a `reasoning` item (its text a
+`reasoning_text` content part) before the message and calls, which are read from the answer
+only. The conversation the next turn renders keeps the output as the format has it (a think
+block as generated: the session's tokens; a harmony turn's analysis as its reasoning), so a
+continuation shares as much as the rendering allows."""
 
 from __future__ import annotations
 
@@ -17,10 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from loom.errors import RequestFailedError
-from loom.server import tool_calls
 from loom.server.errors import APIError, as_api_error
+from loom.server.output_split import OutputSplit
 from loom.server.protocol import CalledFunction, ChatMessage, ResponsesRequest, ToolCall
-from loom.server.reasoning import ReasoningStream
 from loom.server.response_input import new_id
 from loom.server.state import ServerState
 from loom.server.tool_calls import ParsedCall
@@ -55,7 +56,7 @@ class ResponseTurn:
     messages: list[ChatMessage]
     input_items: list[dict[str, Any]]
     tools: ToolPlan
-    reasoning: ReasoningStream | None = None  # None: the output is all answer
+    split: OutputSplit  # the output into reasoning, answer and calls
     created_at: int = field(default_factory=lambda: int(time.time()))
     output: list[dict[str, Any]] = field(default_factory=list)
     _sequence: int = 0
@@ -87,7 +88,8 @@ class ResponseTurn:
             "output": [dict(item) for item in self.output], "output_text": "".join(texts),
             "parallel_tool_calls": body.parallel_tool_calls,
             "previous_response_id": body.previous_response_id,
-            "reasoning": {"effort": None, "summary": None}, "store": body.store,
+            "reasoning": {"effort": body.reasoning.effort if body.reasoning else None,
+                          "summary": None}, "store": body.store,
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "text": {"format": text_format},
             "tool_choice": choice.model_dump() if hasattr(choice, "model_dump")
@@ -120,8 +122,6 @@ class ResponseTurn:
         try:
             yield self._event("response.created", response=self.response("in_progress"))
             yield self._event("response.in_progress", response=self.response("in_progress"))
-            names = self.tools.names if self.tools.parses else None
-            parser = tool_calls.ToolCallParser(names) if names else None
             message: dict[str, Any] | None = None  # the message item being written
             thought: dict[str, Any] | None = None  # the reasoning item being written
             generated, reason = 0, None
@@ -227,23 +227,17 @@ class ResponseTurn:
                 comp = out.outputs[0]
                 generated += len(comp.token_ids)
                 finished = comp.finish_reason is not None
-                thinking, answer = "", comp.text
-                if self.reasoning is not None:
-                    thinking, answer = self.reasoning.feed(comp.text)
-                    if finished:
-                        more_thinking, more_answer = self.reasoning.finish()
-                        thinking, answer = thinking + more_thinking, answer + more_answer
+                thinking, pieces = self.split.feed(comp.text, comp.token_ids)
+                if finished:
+                    more_thinking, more_pieces = self.split.finish()
+                    thinking, pieces = thinking + more_thinking, pieces + more_pieces
                 if thinking:
                     for event in reasoning_events(thinking):
                         yield event
-                if answer:
-                    for event in pieces_events(parser.feed(answer) if parser else [answer]):
-                        yield event
+                for event in pieces_events([p for p in pieces if p != ""]):
+                    yield event
                 if finished:
                     reason = comp.finish_reason
-                    if parser is not None:
-                        for event in pieces_events(parser.finish()):
-                            yield event
                     break
             for event in close_message():
                 yield event
@@ -267,14 +261,13 @@ class ResponseTurn:
                 await self.service.abandon(self)
 
     def assistant_message(self) -> ChatMessage:
-        """This turn's output as the assistant message the next turn renders: its text as
-        generated (a think block before the answer included), calls apart."""
-        text = "".join(part["text"] for item in self.output if item["type"] == "message"
-                       for part in item["content"])
-        if self.reasoning is not None:
-            text = self.reasoning.head + text
+        """This turn's output as the assistant message the next turn renders: its answer and
+        reasoning as its format keeps them (`OutputSplit.history`), calls apart."""
+        answer = "".join(part["text"] for item in self.output if item["type"] == "message"
+                         for part in item["content"])
+        text, reasoning = self.split.history(answer)
         calls = [ToolCall(id=item["call_id"], function=CalledFunction(
             name=item["name"], arguments=item["arguments"]))
             for item in self.output if item["type"] == "function_call"]
         return ChatMessage(role="assistant", content=text or (None if calls else ""),
-                           tool_calls=calls or None)
+                           tool_calls=calls or None, reasoning_content=reasoning)

@@ -21,7 +21,9 @@ from loom.errors import (
     SessionLostError,
 )
 from loom.sampling_params import RequestOutputKind, SamplingParams
+from loom.server.harmony_chat import HarmonyChat
 from loom.server.limits import check_api_key
+from loom.server.output_split import HarmonySplit, OutputSplit, TextSplit
 from loom.server.protocol import ToolFields
 from loom.server.reasoning import ReasoningParser, ReasoningStream, prompt_thinking
 from loom.server.tools import TemplateToolSupport, ToolPlan, plan_tools, template_inputs
@@ -72,6 +74,9 @@ class ServerState:
     config: ServerConfig
     metrics: Any = None  # loom.server.metrics.MetricsExporter
     reasoning: ReasoningParser | None = None  # None: outputs are all content
+    # A harmony model's (gpt-oss) format: it renders conversations and splits outputs in
+    # place of the chat template and the reasoning parser. None: the template's format.
+    harmony: HarmonyChat | None = None
     session_owners: dict[str, str] = field(default_factory=dict)
     # Sessions whose creation is under way: they count against their key's quota already,
     # so concurrent creations cannot pass the check together.
@@ -189,11 +194,18 @@ class ServerState:
 
     def chat_ids(self, messages: Sequence[Any], add_generation_prompt: bool = True,
                  tools: ToolPlan | None = None,
-                 template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                 template_kwargs: dict[str, Any] | None = None,
+                 reasoning_effort: str | None = None) -> list[int]:
         """A conversation's prompt ids through the chat template (refused without one),
         with the tools `tools` offers and any tool calls and results in the messages as the
         template can take them (`tools.template_inputs`); `template_kwargs` (vLLM's
-        `chat_template_kwargs`, e.g. `enable_thinking`) are the template's extra variables."""
+        `chat_template_kwargs`, e.g. `enable_thinking`) are the template's extra variables.
+        A harmony model's conversation is rendered in its format instead (`harmony_chat.py`;
+        `reasoning_effort` goes to its system message)."""
+        if self.harmony is not None:
+            return self.harmony.render([m.as_template_input() for m in messages],
+                                       add_generation_prompt, tools, template_kwargs,
+                                       reasoning_effort)
         reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(template_kwargs or ()))
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(reserved)}",
@@ -220,6 +232,15 @@ class ServerState:
             self._tool_support = (template, TemplateToolSupport.probe(template))
         return self._tool_support[1]
 
+    def output_split(self, prompt_ids: Sequence[int], constrained: bool,
+                     names: frozenset[str] | None) -> OutputSplit:
+        """A fresh split of one output of this prompt into reasoning, content and calls
+        (`output_split.py`); `constrained`: the output follows a grammar; `names`: the
+        offered tools' names (None: the output holds no calls)."""
+        if self.harmony is not None:
+            return HarmonySplit(self.harmony.codec.parser(), names)
+        return TextSplit(self.reasoning_stream(prompt_ids, constrained), names)
+
     def reasoning_stream(self, prompt_ids: Sequence[int], constrained: bool = False
                          ) -> ReasoningStream | None:
         """A stream splitting one output of this prompt into reasoning and content (None
@@ -232,8 +253,8 @@ class ServerState:
 
     def reasoning_tokens(self, texts: Sequence[str]) -> int | None:
         """Tokens of outputs' reasoning texts, as the tokenizer spells them (usage's
-        `reasoning_tokens`); None without a reasoning parser."""
-        if self.reasoning is None:
+        `reasoning_tokens`); None without a reasoning parser (or the harmony format)."""
+        if self.reasoning is None and self.harmony is None:
             return None
         return sum(len(self.tokenizer.encode(t, add_special_tokens=False)) for t in texts if t)
 

@@ -105,6 +105,18 @@ def _shown(choice: Any) -> str:
     return repr(choice) if isinstance(choice, str) else repr(choice.function.name)
 
 
+def call_arguments_schema(tool: Tool) -> dict[str, Any]:
+    """The JSON schema a constrained call's arguments follow: the function's parameters (no
+    arguments when it declares none). They name only the declared arguments unless the
+    schema says otherwise: a function's signature has no extra parameters (agent frameworks
+    omit the key), and a small model given the freedom keeps inventing keys until
+    max_tokens."""
+    arguments = dict(tool.function.parameters or _NO_PARAMETERS)
+    if "properties" in arguments:
+        arguments.setdefault("additionalProperties", False)
+    return arguments
+
+
 def _calls_grammar(tools: list[Tool], parallel: bool, end_token_ids: Sequence[int]) -> str:
     """A Lark grammar (llguidance's dialect) of one call, or one or more back to back, each a
     compact JSON object `{"name": const, "arguments": <parameters>}`, then an end token.
@@ -116,14 +128,9 @@ def _calls_grammar(tools: list[Tool], parallel: bool, end_token_ids: Sequence[in
     if end_token_ids:
         rules.append("end: " + " | ".join(f"<[{int(t)}]>" for t in sorted(end_token_ids)))
     for i, tool in enumerate(tools):
-        arguments = dict(tool.function.parameters or _NO_PARAMETERS)
+        arguments = call_arguments_schema(tool)
         # Definitions move to the root, where the parameters' `#/$defs/...` refs now point.
         defs = {k: arguments.pop(k) for k in ("$defs", "definitions") if k in arguments}
-        # A forced call names only the declared arguments unless the schema says otherwise:
-        # a function's signature has no extra parameters (agent frameworks omit the key), and
-        # a small model given the freedom keeps inventing keys until max_tokens.
-        if "properties" in arguments:
-            arguments.setdefault("additionalProperties", False)
         schema = {"type": "object",
                   "properties": {"name": {"const": tool.function.name},
                                  "arguments": arguments},

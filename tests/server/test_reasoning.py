@@ -23,6 +23,7 @@ from server.test_default_models import _serve_namespace
 from loom.engine.sessions import common_prefix
 from loom.errors import InvalidRequestError
 from loom.server.cli import server_config_from
+from loom.server.output_split import TextSplit
 from loom.server.reasoning import (
     PromptThinking,
     prompt_thinking,
@@ -259,8 +260,9 @@ def _turn(deltas: list[str]) -> tuple[ResponseTurn, _Host]:
     body = ResponsesRequest(model=MODEL, input="q", stream=True, tools=[{
         "type": "function", "name": "get_weather", "parameters": {"type": "object"}}])
     host = _Host(deltas)
-    return ResponseTurn(host, body, "resp_1", "", [1, 2, 3], [], [],
-                        plan_tools(body.chat_tools()), QWEN3.stream(OPEN)), host
+    tools = plan_tools(body.chat_tools())
+    return ResponseTurn(host, body, "resp_1", "", [1, 2, 3], [], [], tools,
+                        TextSplit(QWEN3.stream(OPEN), tools.names)), host
 
 
 def _events(turn: ResponseTurn) -> list[dict]:
