@@ -31,7 +31,11 @@ own result, `model_sizes_moe.json`, and doc section): `qwen3-30b-a3b` (Qwen3-30B
 layers: 128 experts of width 768, 8 a token, QK-norm; 16 of its 48 layers) and
 `mixtral-8x7b` (Mixtral-8x7B's: 8 experts of width 14336, 2 a token, GGUF arch "llama"; 4
 of its 32 layers), written by `benchmarks/random_moe_gguf.py` (Q4_K_M's blocks written
-directly, SmolLM2's tokenizer; `--moe-layers N` writes another cut). Loom runs its default
+directly, SmolLM2's tokenizer; `--moe-layers N` writes another cut), and `gpt-oss-20b`
+(gpt-oss-20b's: 32 experts of width 2880, 4 a token, attention sinks, biases, a 128-token
+window on alternate layers, YaRN; 8 of its 24 layers; MXFP4 experts and Q8_0 embedding,
+output head and attention as ggml-org's gpt-oss-20b-mxfp4.gguf; its real 201,088-token
+vocabulary: SmolLM2's tokenizer padded). Loom runs its default
 mode only unless `--loom-modes` says otherwise. Besides the above, per engine: the total
 decode tok/s of `--streams` (8) concurrent streams (Loom: one engine; llama.cpp: one
 context with that many sequences, through llama-cpp-python's low-level batch API), sampled at
@@ -48,6 +52,7 @@ measures); bytes per token count only the active experts' share of the expert te
     python benchmarks/bench_model_sizes.py --quick --no-doc    # 360M only, 16 tokens
     python benchmarks/bench_model_sizes.py --doc-only          # re-render the doc section(s)
     python benchmarks/bench_model_sizes.py --sizes qwen3-30b-a3b mixtral-8x7b  # MoE (issue 45)
+    python benchmarks/bench_model_sizes.py --sizes qwen3-30b-a3b mixtral-8x7b gpt-oss-20b
 """
 
 from __future__ import annotations
@@ -68,7 +73,14 @@ from typing import Any
 import bench_latency as bl
 import common as c
 from random_gguf import SHAPES, llama_quantize, write_random_gguf
-from random_moe_gguf import MOE_SHAPES, layer_cut, with_layers, write_random_moe_gguf
+from random_moe_gguf import (
+    MOE_SHAPES,
+    file_type,
+    layer_cut,
+    tensor_types,
+    with_layers,
+    write_random_moe_gguf,
+)
 
 NAME = "model_sizes"
 TITLE = "Model sizes: Loom against llama.cpp on 0.36-8B Q4_K_M GGUFs"
@@ -134,7 +146,7 @@ def moe_model_file(size: str, cache_dir: Path) -> Path:
     """The random mixture-of-experts GGUF of `size` in `cache_dir`, its layer cut in the
     name (written once, atomically, and reused; `benchmarks/random_moe_gguf.py`)."""
     shape = MOE_SHAPES[size]
-    path = cache_dir / f"{size}-{shape.layers}of{shape.full_layers}L-{GGUF_TYPE}.gguf"
+    path = cache_dir / f"{size}-{shape.layers}of{shape.full_layers}L-{file_type(shape)}.gguf"
     if path.is_file():
         return path
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -179,8 +191,8 @@ def needs_quantiser(size: str) -> bool:
 def how_written(size: str) -> str:
     """How a size's file is made, for the log and the result."""
     if size in MOE_SHAPES:
-        return (f"random Q4_K / Q6_K blocks written directly in Q4_K_M's mix, "
-                f"{layer_cut(MOE_SHAPES[size])} (random_moe_gguf.py)")
+        shape = MOE_SHAPES[size]
+        return f"{tensor_types(shape)}, {layer_cut(shape)} (random_moe_gguf.py)"
     if size not in SHAPES:
         return "the file as given"
     if needs_quantiser(size):
@@ -197,6 +209,17 @@ def size_label(size: str) -> str:
 def is_moe(size: str) -> bool:
     """Whether a size is one of the mixture-of-experts shapes."""
     return size in MOE_SHAPES
+
+
+SMOLLM2_TOKENIZER = "SmolLM2's tokenizer"
+
+
+def moe_tokenizer(size: str, vocab: int) -> str:
+    """Where a mixture-of-experts file's vocabulary comes from, for the results."""
+    if MOE_SHAPES[size].arch == "gpt-oss":
+        return (f"SmolLM2's tokenizer padded to {vocab:,} with ordinary [pad_N] tokens, then "
+                "control <|reserved_N|> ones from id 199,998; pre-tokenizer gpt-4o")
+    return SMOLLM2_TOKENIZER
 
 
 def gguf_experts(path: Path) -> tuple[int, int]:
@@ -711,6 +734,7 @@ def measure_size(args: argparse.Namespace, size: str, work_sizes: dict[str, Any]
         moe = {"arch": shape.arch, "layers": shape.layers, "full_layers": shape.full_layers,
                "layer_cut": layer_cut(shape), "experts": experts, "experts_used": used,
                "expert_ffn": shape.expert_ffn, "vocab": gguf_vocab(path)}
+        moe["tokenizer"] = moe_tokenizer(size, moe["vocab"])
         n, length = args.streams, args.stream_prompt_len
         work["cold"] = True
         work["expert_fraction"] = used / experts
@@ -839,8 +863,10 @@ def main() -> None:
         f" (random weights, {GGUF_TYPE.upper()}: benchmarks/random_gguf.py)"
         if random else "")
     if moe:
+        mixes = sorted({"MXFP4 experts, Q8_0 dense" if file_type(MOE_SHAPES[s]) == "mxfp4"
+                        else f"{GGUF_TYPE.upper()}'s mix" for s in sizes})
         args.model = ", ".join(f"{s} ({layer_cut(MOE_SHAPES[s])})" for s in sizes) + (
-            f" (random weights, {GGUF_TYPE.upper()}'s mix: benchmarks/random_moe_gguf.py)")
+            f" (random weights, {' / '.join(mixes)}: benchmarks/random_moe_gguf.py)")
     sizes_note = (f"prompt {args.prompt_len} tokens, {max_tokens} greedy tokens, median of "
                   f"{repeats} distinct prompts; Loom modes {' '.join(args.loom_modes)}; "
                   f"{args.threads} threads")
@@ -922,6 +948,38 @@ MOE_TARGETS: list[tuple[str, Any, float, bool]] = [
     ("first load over the time to read the file from disk",
      lambda r: r.get("first_load_over_cold_read"), 2.0, False),
 ]
+# gpt-oss-20b's targets: decode, TTFT and peak RSS against llama.cpp, the same bounds.
+GPT_OSS_TARGETS = [MOE_TARGETS[0], MOE_TARGETS[2], MOE_TARGETS[3]]
+
+
+def targets_of(per_size: dict[str, Any]) -> list[tuple[str, Any, float, bool]]:
+    """The targets a mixture-of-experts size's Loom rows are held to."""
+    return GPT_OSS_TARGETS if per_size["moe"]["arch"] == "gpt-oss" else MOE_TARGETS
+
+
+def _targets_heading(result: dict[str, Any]) -> str:
+    """What the targets table holds, by the shapes in the result."""
+    archs = {s["moe"]["arch"] for s in result["results"].values()}
+    parts = []
+    if archs - {"gpt-oss"}:
+        parts.append("Issue 45's targets (set for the Qwen3-30B-A3B shape"
+                     + ("; the Mixtral rows are measured against the same bounds for reference"
+                        if "llama" in archs else "") + ")")
+    if "gpt-oss" in archs:
+        parts.append("the targets for gpt-oss-20b (decode at least 1.3x llama.cpp's, TTFT "
+                     "(512) at most 0.8x, peak RSS at most 1.1x)")
+    heading = " and ".join(parts)
+    return heading[0].upper() + heading[1:]
+
+
+def _tokenizer_note(result: dict[str, Any]) -> str:
+    """Which vocabulary the files carry, for the notes."""
+    note = ("The tokenizer (and so the embedding and output head) is SmolLM2's 49,152 tokens, "
+            "not the model's own")
+    if any(s["moe"]["arch"] == "gpt-oss" for s in result["results"].values()):
+        note += (", except gpt-oss-20b's: the model's real 201,088 (SmolLM2's tokens padded "
+                 "to that size), so its output head reads the real bytes a token")
+    return note + ". "
 
 
 def render_moe(result: dict[str, Any]) -> str:
@@ -952,7 +1010,7 @@ def render_moe(result: dict[str, Any]) -> str:
             ])
             if label == "llama.cpp":
                 continue
-            for what, value_of, bound, at_least in MOE_TARGETS:
+            for what, value_of, bound, at_least in targets_of(per_size):
                 value = value_of(r)
                 met = None if value is None else (value >= bound if at_least else value <= bound)
                 targets.append([model, label, what, f"{'≥' if at_least else '≤'} {bound}",
@@ -975,19 +1033,19 @@ def render_moe(result: dict[str, Any]) -> str:
     files = "".join(
         f"\n- {size}: {s.get('written', '?')}, {s['file_bytes'] / GIB:.2f} GiB; "
         f"{s['moe']['experts']} experts, {s['moe']['experts_used']} a token, expert width "
-        f"{s['moe']['expert_ffn']}; vocabulary {s['moe']['vocab']:,} (SmolLM2's tokenizer); "
+        f"{s['moe']['expert_ffn']}; vocabulary {s['moe']['vocab']:,} "
+        f"({s['moe'].get('tokenizer', SMOLLM2_TOKENIZER)}); "
         f"cold read {s['moe']['cold_read']['s']:.1f} s ({s['moe']['cold_read']['gb_s']:.2f} "
         f"GB/s, page cache dropped: {s['moe']['cold_read']['page_cache_dropped']})"
         for size, s in result["results"].items())
     return (
         f"Speed:\n\n{speed_table}\n\nLoads and memory:\n\n{load_table}\n\n"
-        f"Issue 45's targets (set for the Qwen3-30B-A3B shape; the Mixtral rows are "
-        f"measured against the same bounds for reference):\n\n{target_table}\n\n"
+        f"{_targets_heading(result)}:\n\n{target_table}\n\n"
         f"Files:\n{files}\n\n"
         "Each layer has its model's real sizes; only the layer count is cut (\"N of M "
         "layers\"), so a decode step's per-layer work is the real one and the whole-model "
-        "figures (tok/s, TTFT, file, memory) are those of the cut model. The tokenizer (and so "
-        "the embedding and output head) is SmolLM2's 49,152 tokens, not the model's own. "
+        "figures (tok/s, TTFT, file, memory) are those of the cut model. "
+        f"{_tokenizer_note(result)}"
         f"Read bandwidth {bw['gb_s']:.1f} GB/s (`torch.ones(N).sum()` over {bw['mib']} MiB, "
         f"{bw['threads']} threads, best of 5, in this run); limit tok/s = bandwidth / bytes "
         "read per token, where a token reads the attention, router, norms and output head in "

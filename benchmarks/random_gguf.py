@@ -72,16 +72,28 @@ def _tensors(shape: Shape, vocab: int) -> Iterator[tuple[str, tuple[int, ...]]]:
     yield "output_norm.weight", (shape.hidden,)
 
 
-def _copy_tokenizer(writer: object, source: Path) -> int:
-    """Copy SmolLM2's tokenizer metadata into `writer`; returns the vocabulary size."""
+def _copy_tokenizer(writer: object, source: Path, pad_to: int | None = None,
+                    control_from: int | None = None, pre: str | None = None) -> int:
+    """Copy SmolLM2's tokenizer metadata into `writer`; returns the vocabulary size.
+
+    `pad_to`: the token list is padded to that many entries: ids from `control_from` on are
+    control tokens `<|reserved_N|>`, those between SmolLM2's last and `control_from`
+    ordinary tokens `[pad_N]` that no merge makes (so neither engine ever matches them in
+    text). `pre`: the pre-tokenizer name written instead of SmolLM2's."""
     from loom.loader.gguf_reader import GGUFFile
 
     reader = GGUFFile(source)
-    tokens = reader.get("tokenizer.ggml.tokens")
+    tokens = list(reader.get("tokenizer.ggml.tokens"))
+    types = list(reader.get("tokenizer.ggml.token_type"))
+    if pad_to is not None and pad_to > len(tokens):
+        control = pad_to if control_from is None else max(control_from, len(tokens))
+        tokens += [f"[pad_{i}]" for i in range(len(tokens), control)]
+        tokens += [f"<|reserved_{i}|>" for i in range(control, pad_to)]
+        types += [1] * (control - len(types)) + [3] * (pad_to - control)  # normal, control
     writer.add_tokenizer_model(reader.get("tokenizer.ggml.model"))
-    writer.add_tokenizer_pre(reader.get("tokenizer.ggml.pre"))
+    writer.add_tokenizer_pre(pre or reader.get("tokenizer.ggml.pre"))
     writer.add_token_list(tokens)
-    writer.add_token_types(reader.get("tokenizer.ggml.token_type"))
+    writer.add_token_types(types)
     writer.add_token_merges(reader.get("tokenizer.ggml.merges"))
     for key, add in (("bos_token_id", writer.add_bos_token_id),
                      ("eos_token_id", writer.add_eos_token_id),
