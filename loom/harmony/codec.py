@@ -28,7 +28,7 @@ from loom.harmony.package import (
 )
 from loom.harmony.parser import HarmonyParser, TokenReader
 from loom.harmony.reader import LoomReader
-from loom.harmony.render import MESSAGE, LoomRenderer, encode_segments, header_segments
+from loom.harmony.render import LoomRenderer
 from loom.harmony.tokens import HarmonyIds
 from loom.tokenizer.tokenizer import Tokenizer
 
@@ -40,8 +40,6 @@ PACKAGE_BACKEND, LOOM_BACKEND = "openai-harmony", "loom"
 class _Backend(Protocol):
     reader: TokenReader
 
-    def encode_text(self, text: str) -> list[int]: ...
-
     def render(self, messages: Sequence[HarmonyMessage],
                add_generation_prompt: bool) -> list[int]: ...
 
@@ -52,7 +50,6 @@ class _LoomBackend:
     def __init__(self, tokenizer: Tokenizer, ids: HarmonyIds) -> None:
         self._renderer = LoomRenderer(tokenizer, ids)
         self.reader = LoomReader(tokenizer, ids)
-        self.encode_text = self._renderer.encode_text
         self.render = self._renderer.render
 
 
@@ -104,18 +101,9 @@ class HarmonyCodec:
         with `add_generation_prompt`."""
         return self._backend.render(drop_stale_analysis(messages), add_generation_prompt)
 
-    def forced_header_ids(self, channel: str, recipient: str | None = None,
-                          content_type: str | None = None) -> list[int]:
-        """The tokens that, after the generation prompt `<|start|>assistant`, open an
-        assistant message with this header, through its `<|message|>`: the form the package
-        renders an assistant's call in, e.g. ` to=functions.get_weather<|channel|>commentary
-        <|constrain|>json<|message|>`."""
-        segments = [*header_segments(channel, recipient, content_type), MESSAGE]
-        return encode_segments(segments, self._backend.encode_text, self.ids)
-
     def parser(self, start: Header | None = None) -> HarmonyParser:
         """A parser of one output that follows the generation prompt; `start`: the header
-        `forced_header_ids` opened, when the prompt ends in one."""
+        of the message the prompt opened, when it ends inside one (after `<|message|>`)."""
         return HarmonyParser(self._backend.reader, start)
 
     def __repr__(self) -> str:

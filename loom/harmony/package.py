@@ -104,10 +104,6 @@ class PackageBackend:
         self._h = _package()
         self.reader = PackageReader(encoding)
 
-    def encode_text(self, text: str) -> list[int]:
-        """`text` as ordinary text (special tokens' spellings included)."""
-        return self._encoding.encode(text, disallowed_special=())
-
     def render(self, messages: Sequence[HarmonyMessage], add_generation_prompt: bool) -> list[int]:
         """Token ids of `messages` as the package renders them (none dropped here)."""
         h = self._h

@@ -177,18 +177,6 @@ def test_dropping_rule_equals_the_packages(messages, prompt, codecs):
         assert codec.render(messages, add_generation_prompt=prompt) == expected
 
 
-def test_forced_header_is_the_packages_call_header(codecs):
-    call = openai_harmony.Message.from_role_and_content(
-        openai_harmony.Role.ASSISTANT, "").with_channel("commentary").with_recipient(
-        "functions.get_weather").with_content_type("<|constrain|>json")
-    rendered = codecs["encoding"].render(call)
-    prompt = codecs["encoding"].encode("assistant")
-    expected = rendered[1 + len(prompt):-1]  # after <|start|>assistant, before <|call|>
-    for codec in (codecs["own"], codecs["package"]):
-        assert codec.forced_header_ids("commentary", "functions.get_weather",
-                                       "<|constrain|>json") == expected
-
-
 OUTPUTS = {
     "analysis_then_final": "<|channel|>analysis<|message|>User asks 2+2. Easy.<|end|>"
                            "<|start|>assistant<|channel|>final<|message|>2 + 2 = 4 🌦️<|return|>",

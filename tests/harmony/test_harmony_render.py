@@ -46,13 +46,3 @@ def test_render_drops_analysis_by_the_package_rule(tiny_codec, tiny_tokenizer):
                                  skip_special_tokens=False)
     assert "t1" not in text and "<|channel|>analysis<|message|>t2<|end|>" in text
 
-
-def test_forced_header(tiny_codec, tiny_tokenizer):
-    ids = tiny_codec.forced_header_ids("commentary", "functions.get_weather",
-                                       "<|constrain|>json")
-    assert tiny_tokenizer.decode(ids, skip_special_tokens=False) == (
-        " to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>")
-    final = tiny_codec.forced_header_ids("final")
-    assert final[0] == tiny_codec.ids.channel and final[-1] == tiny_codec.ids.message
-    assert tiny_tokenizer.decode(final, skip_special_tokens=False) == (
-        "<|channel|>final<|message|>")
