@@ -234,3 +234,93 @@ def test_split_a_call_to_an_unknown_function_is_content_and_text_outside_is_too(
     _, pieces = garbage.feed("", _ids(server, "just words"))
     _, more = garbage.finish()
     assert "".join(p for p in pieces + more if isinstance(p, str)) == "just words"
+
+
+class _CraftedEngine:
+    """An engine client whose session generates the given token ids, `chunk` a step."""
+
+    def __init__(self, ids: list[int], chunk: int) -> None:
+        self.steps = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
+
+    async def outputs(self, request_id):
+        from types import SimpleNamespace
+
+        for i, step in enumerate(self.steps):
+            last = i == len(self.steps) - 1
+            yield SimpleNamespace(error=None, outputs=[SimpleNamespace(
+                text="(the text is not read)", token_ids=step,
+                finish_reason="stop" if last else None)])
+
+    async def get_session(self, request_id):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(num_cached_tokens=0)
+
+
+def _crafted_turn_output(server, text: str, chunk: int) -> tuple[list[dict], list[dict]]:
+    """The events and output items of a Responses turn whose model wrote `text`."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from loom.server.protocol import ResponsesRequest
+    from loom.server.response_turn import ResponseTurn
+    from loom.server.tools import plan_tools
+
+    state = server.app.state.loom
+    body = ResponsesRequest(model=MODEL, input="q", stream=True, tools=[{
+        "type": "function", "name": "get_weather", "parameters": {"type": "object"}}])
+    tools = plan_tools(body.chat_tools())
+    host = SimpleNamespace(state=SimpleNamespace(
+        engine=_CraftedEngine(_ids(server, text), chunk), config=state.config,
+        reasoning_tokens=state.reasoning_tokens))
+
+    async def finish(turn, final):
+        host.final = final
+
+    host.finish = finish
+    turn = ResponseTurn(host, body, "resp_1", "", [1, 2, 3], [], [], tools,
+                        state.output_split([1, 2, 3], False, tools.names))
+
+    async def collect() -> list[dict]:
+        return [event async for event in turn.events()]
+
+    events = asyncio.run(collect())
+    return events, host.final["output"]
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+def test_a_crafted_stream_gives_a_reasoning_item_then_the_message(server, chunk):
+    events, output = _crafted_turn_output(server, ANALYSIS_THEN_FINAL, chunk)
+    assert [item["type"] for item in output] == ["reasoning", "message"]
+    assert output[0]["content"] == [{"type": "reasoning_text", "text": "Think: Oslo is cold."}]
+    assert output[1]["content"][0]["text"] == "It is cold."
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert deltas == "It is cold." and events[-1]["type"] == "response.completed"
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+def test_a_crafted_stream_gives_a_reasoning_item_then_a_function_call(server, chunk):
+    _, output = _crafted_turn_output(server, A_CALL, chunk)
+    assert [item["type"] for item in output] == ["reasoning", "function_call"]
+    assert output[1]["name"] == "get_weather"
+    assert json.loads(output[1]["arguments"]) == {"city": "Oslo", "unit": "celsius"}
+
+
+def test_crafted_chat_deltas_concatenate_to_the_whole_message(server):
+    from loom.server import chat_output
+
+    state = server.app.state.loom
+    names = frozenset({"get_weather"})
+    ids = _ids(server, ANALYSIS_THEN_FINAL)
+    whole = chat_output.message(state.output_split(ids, False, names), "", ids, True)
+    assert whole == {"role": "assistant", "content": "It is cold.",
+                     "reasoning_content": "Think: Oslo is cold."}
+    writer = chat_output.ChoiceDeltas(state.output_split(ids, False, names))
+    deltas = [d for i in range(0, len(ids), 3)
+              for d in writer.deltas("", ids[i:i + 3], finished=i + 3 >= len(ids))]
+    assert "".join(d.get("content", "") for d in deltas) == "It is cold."
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Think: Oslo is cold."
+    call_ids = _ids(server, A_CALL)
+    called = chat_output.message(state.output_split(call_ids, False, names), "", call_ids, True)
+    assert called["content"] is None and called["reasoning_content"] == "Need weather."
+    assert called["tool_calls"][0]["function"]["name"] == "get_weather"
