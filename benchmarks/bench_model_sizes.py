@@ -602,6 +602,10 @@ def loom_mode_row(args: argparse.Namespace, path: Path, mode: str,
         warm_spec = {**spec, "run": work}
         if work.get("streams"):
             warm_spec["streams"] = work["streams"]
+        # The first load leaves gigabytes of prepared weights to write back; the warm process
+        # measures a steady state, not the kernel's writeback on one of two cores (measured:
+        # decode at half speed for its first prompts while it ran).
+        os.sync()
         warm = run_child("load-loom", warm_spec, env)
     c.log(f"  {loom_label(mode, warm['resolved'])}: warm load {warm['load_s']:.2f} s, TTFT "
           f"{warm['ttft_ms']:.0f} ms, decode {warm['decode_tok_s']:.2f} tok/s"
