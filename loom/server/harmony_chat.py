@@ -16,32 +16,22 @@ from typing import Any
 from loom.errors import InvalidRequestError
 from loom.harmony import HarmonyCodec, HarmonyTool, SystemOptions, from_openai
 from loom.sampling_params import SamplingParams, StructuredOutputsParams
-from loom.server.harmony_grammar import SPECIAL_TOKENS, harmony_grammar
+from loom.server.harmony_grammar import harmony_grammar
 from loom.server.tools import ToolPlan
-
-REASONING_EFFORTS = ("low", "medium", "high")
 
 
 @dataclass(frozen=True)
 class HarmonyChat:
-    """The harmony codec of the served model and the ids of its special tokens."""
+    """The harmony codec of the served model."""
 
     codec: HarmonyCodec
-    special_ids: dict[str, int]
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any) -> HarmonyChat | None:
         """The format for a model with this tokenizer; None when its vocabulary does not
         carry the harmony tokens."""
         codec = HarmonyCodec.for_tokenizer(tokenizer)
-        if codec is None:
-            return None
-        return cls(codec, {name: tokenizer.token_to_id(name) for name in SPECIAL_TOKENS})
-
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        """The tokens that end an assistant's turn (`<|return|>`, `<|call|>`)."""
-        return tuple(self.codec.stop_token_ids)
+        return None if codec is None else cls(codec)
 
     def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool,
                tools: ToolPlan | None, template_kwargs: dict[str, Any] | None,
@@ -49,8 +39,9 @@ class HarmonyChat:
         """A conversation's prompt ids in the harmony format: OpenAI's messages (as
         `as_template_input` gives them), the offered tools as the `functions` namespace, the
         reasoning effort (the request's, else `chat_template_kwargs["reasoning_effort"]`,
-        else medium) and today's date in the system message. Any other template variable is
-        refused (the format has no template to take it)."""
+        else medium; another value is refused by `SystemOptions`) and today's date in the
+        system message. Any other template variable is refused (the format has no template
+        to take it)."""
         extra = dict(template_kwargs or {})
         effort = reasoning_effort or extra.pop("reasoning_effort", None) or "medium"
         if extra:
@@ -58,10 +49,6 @@ class HarmonyChat:
                 f"chat_template_kwargs {', '.join(sorted(extra))} do not apply to this model's "
                 "harmony format (it takes reasoning_effort only)",
                 param="chat_template_kwargs", code="invalid_request")
-        if effort not in REASONING_EFFORTS:
-            raise InvalidRequestError(
-                f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)} (got "
-                f"{effort!r})", param="reasoning_effort", code="invalid_value")
         offered = [HarmonyTool(t.function.name, t.function.description or "",
                                t.function.parameters) for t in (tools.offered if tools else ())]
         options = SystemOptions(reasoning_effort=effort,
@@ -73,7 +60,7 @@ class HarmonyChat:
                        constraint: StructuredOutputsParams | None) -> SamplingParams:
         """`params` for a chat output: the format's grammar under the request's tools and
         constraint (none when neither constrains), and its stop tokens."""
-        stops = sorted(set(params.stop_token_ids or ()) | set(self.stop_token_ids))
+        stops = sorted(set(params.stop_token_ids or ()) | set(self.codec.stop_token_ids))
         return params.with_updates(
-            structured_outputs=harmony_grammar(self.special_ids, tools, constraint),
+            structured_outputs=harmony_grammar(self.codec.special_ids, tools, constraint),
             stop_token_ids=stops)

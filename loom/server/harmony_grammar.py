@@ -26,7 +26,7 @@ from loom.sampling_params import StructuredOutputsParams
 from loom.server.protocol import Tool
 from loom.server.tools import ToolPlan, call_arguments_schema
 
-# The harmony special tokens the grammar names.
+# The harmony special tokens the grammar names (`special_ids` maps each to its id).
 SPECIAL_TOKENS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|return|>",
                   "<|call|>", "<|constrain|>")
 

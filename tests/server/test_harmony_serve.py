@@ -55,10 +55,6 @@ def client(server):
                          timeout=120)
 
 
-def _tokens(server) -> dict[str, int]:
-    return server.app.state.loom.harmony.special_ids
-
-
 def test_the_server_speaks_harmony_for_a_model_whose_vocabulary_carries_it(server):
     state = server.app.state.loom
     assert state.harmony is not None and state.reasoning is None
