@@ -7,7 +7,8 @@ A step's forward costs about
 where `attention` sums, over the step's chunks, each chunk's tokens times the mean context
 they attend to (a chunk of n tokens starting at position s: n * (s + n / 2)). The three
 coefficients are fitted by least squares over the last `window` measured steps (a ridge
-keeps the fit defined while the steps are alike) and never go negative; until `min_samples`
+keeps the fit defined while the steps are alike) and never go negative; a per-token cost the
+fit cannot tell from noise is bounded from above instead (never zero); until `min_samples`
 steps were measured the model is not calibrated and the scheduler uses its token budget
 alone. Pure arithmetic: the engine core times the steps and feeds them in.
 """
@@ -43,6 +44,10 @@ class StepCost(Protocol):
 
     def observe(self, tokens: int, attention: float, ms: float) -> None:
         """One measured step: its tokens, attention units and wall milliseconds."""
+
+
+# The least a token is taken to cost (ms) where the steps' times show no per-token cost.
+_MIN_PER_TOKEN_MS = 1e-6
 
 
 @dataclass
@@ -88,6 +93,12 @@ class LinearStepCost:
         self.fixed = max(values.get(0, 0.0), 0.0)
         self.per_token = max(values.get(1, 0.0), 0.0)
         self.per_attention = max(values.get(2, 0.0), 0.0)
+        if self.per_token == 0.0:
+            # A token's cost is below the steps' noise (a tiny model): bound it from above
+            # by the most any step left past its fixed and attention cost, a token (a
+            # budget cut by it errs towards shorter steps), never zero: a token is never free.
+            self.per_token = max(max((s.ms - self.fixed - self.per_attention * s.attention)
+                                     / s.tokens for s in self._samples), _MIN_PER_TOKEN_MS)
 
     def fixed_ms(self) -> float:
         return self.fixed

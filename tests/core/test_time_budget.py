@@ -138,6 +138,19 @@ def test_the_linear_model_fits_measured_steps() -> None:
     assert model.chunk_ms(n, 0) <= 45.0 < model.chunk_ms(n + 1, 0)
 
 
+def test_a_per_token_cost_lost_in_noise_is_bounded_from_above_not_zero() -> None:
+    """A tiny model's steps cost the same whatever their tokens (noise decides the slope):
+    the model is still calibrated, with the largest per-token cost the steps allow."""
+    model = LinearStepCost(min_samples=4)
+    for tokens, ms in [(8, 5.3), (32, 5.1), (96, 5.2), (192, 4.9), (1, 5.4)]:
+        model.observe(tokens, 0.0, ms)
+    assert model.calibrated and model.per_token > 0
+    worst = max((ms - model.fixed) / tokens
+                for tokens, ms in [(8, 5.3), (32, 5.1), (96, 5.2), (192, 4.9), (1, 5.4)])
+    assert model.per_token == pytest.approx(max(worst, 1e-6))
+    assert model.fixed + model.chunk_ms(192, 0) >= 4.9  # no step is predicted too cheap
+
+
 def test_a_better_priority_stream_keeps_its_pace_beside_a_long_prompt() -> None:
     """While a stream of better (lower) priority decodes, a range of worse priority gets only
     the share reserved for ranges, not the rest of the step: the stream's steps stay short,
