@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from loom.harmony import HarmonyTool, SystemOptions
+from loom.harmony import HarmonyMessage, HarmonyTool, SystemOptions
 
 SYSTEM_HEAD = ("<|start|>system<|message|>You are ChatGPT, a large language model trained by "
                "OpenAI.\nKnowledge cutoff: 2024-06\n")
@@ -216,3 +216,12 @@ pick:
 mode?: number, // default: 1
 }) => any;
 """
+
+# Two user turns each answered with analysis then final: the first turn's analysis is
+# stale (the package's dropping rule removes it), the second's is kept.
+TWO_TURNS = [HarmonyMessage("user", "a"),
+             HarmonyMessage("assistant", "t1", channel="analysis"),
+             HarmonyMessage("assistant", "f1", channel="final"),
+             HarmonyMessage("user", "b"),
+             HarmonyMessage("assistant", "t2", channel="analysis"),
+             HarmonyMessage("assistant", "f2", channel="final")]

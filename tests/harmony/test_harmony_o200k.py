@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harmony_cases import CASES, SCHEMA_ZOO, WEATHER, Case
+from harmony_cases import CASES, SCHEMA_ZOO, TWO_TURNS, WEATHER, Case
 
 from loom.cache_dir import loom_cache_dir
 from loom.harmony import (
@@ -154,12 +154,7 @@ def test_tools_text_equals_the_packages(codecs):
         assert codec.render([ours], add_generation_prompt=False) == expected
 
 
-_RAW = [HarmonyMessage("user", "a"),
-        HarmonyMessage("assistant", "t1", channel="analysis"),
-        HarmonyMessage("assistant", "f1", channel="final"),
-        HarmonyMessage("user", "b"),
-        HarmonyMessage("assistant", "t2", channel="analysis"),
-        HarmonyMessage("assistant", "f2", channel="final")]
+_RAW = TWO_TURNS
 _ONGOING = [*_RAW[:5], HarmonyMessage("assistant", "{}", channel="commentary",
                                       recipient="functions.f", content_type="json")]
 

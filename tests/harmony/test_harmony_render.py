@@ -5,7 +5,7 @@ headers."""
 from __future__ import annotations
 
 import pytest
-from harmony_cases import CASES, Case
+from harmony_cases import CASES, TWO_TURNS, Case
 
 from loom.harmony import HarmonyCodec, HarmonyMessage, from_openai
 from loom.tokenizer.tokenizer import Tokenizer
@@ -36,13 +36,7 @@ def test_without_generation_prompt_and_call_ends_in_call(tiny_codec, tiny_tokeni
 
 
 def test_render_drops_analysis_by_the_package_rule(tiny_codec, tiny_tokenizer):
-    conversation = [HarmonyMessage("user", "a"),
-                    HarmonyMessage("assistant", "t1", channel="analysis"),
-                    HarmonyMessage("assistant", "f1", channel="final"),
-                    HarmonyMessage("user", "b"),
-                    HarmonyMessage("assistant", "t2", channel="analysis"),
-                    HarmonyMessage("assistant", "f2", channel="final")]
-    text = tiny_tokenizer.decode(tiny_codec.render(conversation, add_generation_prompt=False),
+    text = tiny_tokenizer.decode(tiny_codec.render(TWO_TURNS, add_generation_prompt=False),
                                  skip_special_tokens=False)
     assert "t1" not in text and "<|channel|>analysis<|message|>t2<|end|>" in text
 
