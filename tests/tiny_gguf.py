@@ -217,7 +217,8 @@ def add_tiny_tokenizer(writer: Any, tokenizer_json: Path, pre: str) -> None:
 
 
 def write_tiny_gpt_oss(path: Path, model: Any, dense: int = Q8_0,
-                       expert_count: int | None = None, harmony: bool = False) -> Path:
+                       expert_count: int | None = None, harmony: bool = False,
+                       fused_gate_up: bool = False) -> Path:
     """A gpt-oss GGUF at `path` of a transformers GptOssForCausalLM `model`'s weights, laid
     out as llama.cpp's converter writes it: the experts' gate, up and down as 3-D MXFP4
     tensors [experts, out, in] (HF's fused gate_up_proj [experts, in, 2 x out], gate and up
@@ -226,7 +227,9 @@ def write_tiny_gpt_oss(path: Path, model: Any, dense: int = Q8_0,
     projection in `dense` (F32, F16, BF16 or Q8_0); `expert_count`: the count written in
     the header (default: the model's). The tiny tokenizer (`build_tiny_tokenizer`, written
     beside the file) is its vocabulary, under gpt-oss's pre-tokenizer name; with `harmony`,
-    followed by the harmony format's special tokens, `<|return|>` its end token."""
+    followed by the harmony format's special tokens, `<|return|>` its end token; with
+    `fused_gate_up`, each layer's gate and up come as one fused `ffn_gate_up_exps` weight
+    [experts, 2 x out, in] and bias [experts, 2 x out], each expert's gate rows first."""
     import gguf
     from tiny_reference import HARMONY_TOKENS, build_tiny_tokenizer
 
@@ -280,11 +283,17 @@ def write_tiny_gpt_oss(path: Path, model: Any, dense: int = Q8_0,
         add(b + "ffn_gate_inp.bias", w[p + "mlp.router.bias"])
         gate_up = w[p + "mlp.experts.gate_up_proj"].transpose(0, 2, 1)  # [E, 2 x out, in]
         gate_up_bias = w[p + "mlp.experts.gate_up_proj_bias"]
-        add(b + "ffn_gate_exps.weight", gate_up[:, 0::2], MXFP4)
-        add(b + "ffn_up_exps.weight", gate_up[:, 1::2], MXFP4)
+        if fused_gate_up:
+            rows = np.concatenate([gate_up[:, 0::2], gate_up[:, 1::2]], axis=1)
+            add(b + "ffn_gate_up_exps.weight", rows, MXFP4)
+            add(b + "ffn_gate_up_exps.bias",
+                np.concatenate([gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]], axis=1))
+        else:
+            add(b + "ffn_gate_exps.weight", gate_up[:, 0::2], MXFP4)
+            add(b + "ffn_up_exps.weight", gate_up[:, 1::2], MXFP4)
+            add(b + "ffn_gate_exps.bias", gate_up_bias[:, 0::2])
+            add(b + "ffn_up_exps.bias", gate_up_bias[:, 1::2])
         add(b + "ffn_down_exps.weight", w[p + "mlp.experts.down_proj"].transpose(0, 2, 1),
             MXFP4)
-        add(b + "ffn_gate_exps.bias", gate_up_bias[:, 0::2])
-        add(b + "ffn_up_exps.bias", gate_up_bias[:, 1::2])
         add(b + "ffn_down_exps.bias", w[p + "mlp.experts.down_proj_bias"])
     return finish(writer, path, w["model.norm.weight"])

@@ -23,6 +23,7 @@ from loom.loader.gguf_maps import (
     GGUF_CONFIG_KEYS_OVERRIDES,
     GGUF_EXPERT_ARCHITECTURES,
     GGUF_EXPERT_TENSORS,
+    GGUF_FUSED_EXPERT_TENSORS,
     GGUF_GLOBAL_TENSORS,
     GGUF_LAYER_TENSORS,
     GGUF_LAYER_TENSORS_OVERRIDES,
@@ -131,7 +132,8 @@ def _token(reader: GGUFFile, index: int) -> str | None:
 
 def gguf_to_hf_name(arch: str, name: str) -> str | None:
     """HF name of a GGUF tensor (None for tensors with no HF counterpart). A 3-D expert
-    tensor's name holds an `{expert}` field: it is one tensor per expert (`_pieces`)."""
+    tensor's name holds an `{expert}` field: it is one tensor per expert (`_pieces`); a
+    fused one's also a `{part}` field: its rows are the parts' (GGUF_FUSED_EXPERT_TENSORS)."""
     if name in GGUF_SKIPPED_TENSORS:
         return None
     if name in GGUF_GLOBAL_TENSORS:
@@ -149,6 +151,8 @@ def gguf_to_hf_name(arch: str, name: str) -> str | None:
         ending = ""  # the HF name is the parameter itself (attention sinks)
     if kind in GGUF_EXPERT_TENSORS:
         return f"model.layers.{layer}.mlp.experts.{{expert}}.{GGUF_EXPERT_TENSORS[kind]}.{ending}"
+    if kind in GGUF_FUSED_EXPERT_TENSORS:
+        return f"model.layers.{layer}.mlp.experts.{{expert}}.{{part}}.{ending}"
     table = {**GGUF_LAYER_TENSORS, **GGUF_LAYER_TENSORS_OVERRIDES.get(arch, {})}
     if kind not in table:
         raise UnsupportedModelError(f"GGUF tensor {name!r} has no HF mapping for {arch}")
@@ -210,10 +214,11 @@ def iter_gguf_weights(
             read = functools.partial(ahead.take, at) if ahead is not None else \
                 functools.partial(reader.read_tensor, tensor)
             owned = _OwnedCopy(read)
-            for piece_name, expert, shape in _pieces(tensor, hf_name, experts):
-                piece = raw if expert is None else raw[expert]
+            for piece_name, expert, rows, shape in _pieces(tensor, hf_name, experts):
+                piece = raw if expert is None else raw[expert][rows]
                 yield from _piece_weights(tensor, arch, config, piece_name, piece, shape,
-                                          owned.piece(expert), dtype, select, keep_blocks)
+                                          owned.piece(expert, rows), dtype, select,
+                                          keep_blocks)
             del raw, owned
             if ahead is not None:
                 ahead.done(at)
@@ -245,37 +250,50 @@ class _OwnedCopy:
         self._read = read
         self._data: np.ndarray | None = None
 
-    def piece(self, expert: int | None) -> Callable[[], np.ndarray]:
-        """The owned data of one expert's slab of the tensor (None: the whole tensor)."""
+    def piece(self, expert: int | None, rows: slice = slice(None)) -> Callable[[], np.ndarray]:
+        """The owned data of one expert's slab of the tensor, or of its `rows` (None: the
+        whole tensor)."""
 
         def get() -> np.ndarray:
             if self._data is None:
                 self._data = self._read()
-            return self._data if expert is None else self._data[expert]
+            return self._data if expert is None else self._data[expert][rows]
 
         return get
 
 
 def _pieces(tensor: GGUFTensorInfo, hf_name: str, experts: int,
-            ) -> list[tuple[str, int | None, tuple[int, ...]]]:
-    """(hf_name, expert, shape) of each tensor the model loads from `tensor`: itself (expert
-    None), or one per expert of a 3-D expert tensor or of a 2-D expert bias (each expert's
-    rows are contiguous in the file, so an expert's data is its slab: index `expert` of the
-    tensor's data)."""
+            ) -> list[tuple[str, int | None, slice, tuple[int, ...]]]:
+    """(hf_name, expert, rows, shape) of each tensor the model loads from `tensor`: itself
+    (expert None), or one per expert of a 3-D expert tensor or of a 2-D expert bias (each
+    expert's rows are contiguous in the file, so an expert's data is its slab: index
+    `expert` of the tensor's data), or, for a fused expert tensor (a `{part}` name), one per
+    expert and part, each part an equal run of the slab's `rows` in the parts' order."""
     shape = tuple(tensor.shape)
     if hf_name.endswith(".mlp.gate.weight") and (len(shape) != 2 or shape[0] != experts):
         raise InvalidModelError(
             f"GGUF tensor {tensor.name!r} has shape {shape}: the router of the file's"
             f" expert_count of {experts} experts must be [{experts}, hidden]")
+    whole = slice(None)
     if "{expert}" not in hf_name:
-        return [(hf_name, None, shape)]
+        return [(hf_name, None, whole, shape)]
     bias = hf_name.endswith(".bias")  # [experts, rows], one bias an expert
     if len(shape) != (2 if bias else 3) or shape[0] != experts:
         raise InvalidModelError(
             f"GGUF tensor {tensor.name!r} has shape {shape}: an expert tensor of the file's"
             f" expert_count of {experts} experts must be [{experts}, rows"
             f"{'' if bias else ', columns'}]")
-    return [(hf_name.format(expert=e), e, shape[1:]) for e in range(experts)]
+    if "{part}" not in hf_name:
+        return [(hf_name.format(expert=e), e, whole, shape[1:]) for e in range(experts)]
+    parts = GGUF_FUSED_EXPERT_TENSORS[tensor.name.split(".")[2]]
+    if shape[1] % len(parts):
+        raise InvalidModelError(
+            f"GGUF tensor {tensor.name!r} has shape {shape}: its {shape[1]} rows an expert do "
+            f"not split into its {len(parts)} fused parts ({', '.join(parts)})")
+    rows = shape[1] // len(parts)
+    return [(hf_name.format(expert=e, part=part), e, slice(j * rows, (j + 1) * rows),
+             (rows, *shape[2:]))
+            for e in range(experts) for j, part in enumerate(parts)]
 
 
 def _piece_weights(

@@ -123,6 +123,13 @@ GGUF_EXPERT_TENSORS: dict[str, str] = {
     "ffn_up_exps": "up_proj",
     "ffn_down_exps": "down_proj",
 }
+# Fused expert tensors (llama.cpp's converter writes them with `--fuse_gate_up_exps`, 2026):
+# `blk.{i}.ffn_gate_up_exps.weight` is [experts, 2 x rows, columns], each expert's gate rows
+# then its up rows (llama.cpp computes both in one product and splits the result in halves,
+# the gate's first); its `.bias` [experts, 2 x rows] is split the same way.
+GGUF_FUSED_EXPERT_TENSORS: dict[str, tuple[str, ...]] = {
+    "ffn_gate_up_exps": ("gate_proj", "up_proj"),
+}
 GGUF_SPLIT_EXPERT_TENSORS: dict[str, str] = {
     "ffn_gate": "gate_proj",
     "ffn_up": "up_proj",

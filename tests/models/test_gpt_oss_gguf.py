@@ -249,3 +249,27 @@ def test_wrong_expert_count_names_the_tensor(tmp_path):
                                                 r"\(6, 32\): an expert tensor of the file's"
                                                 r" expert_count of 8 experts must be \[8, rows\]"):
         _pieces(bias, name, 8)
+
+
+@pytest.mark.parametrize("quantization", [None, "w4a8"])
+def test_fused_gate_up_experts_load_as_the_split_ones(files, tmp_path, quantization):
+    """A file whose experts' gate and up come fused (`ffn_gate_up_exps`, each expert's gate
+    rows then its up rows, the bias the same) is the split file's model: the same expert
+    weights and biases, and bit-identical logits in exact and default mode."""
+    fused = tmp_path / "fused"
+    write_tiny_gpt_oss(fused / FILE, tiny_gpt_oss(), fused_gate_up=True)
+    names = {t.name for t in GGUFFile(fused / FILE).tensors}
+    assert "blk.0.ffn_gate_up_exps.weight" in names and "blk.0.ffn_gate_exps.weight" not in names
+    assert [piece[:3] for piece in _pieces(
+        GGUFTensorInfo("blk.1.ffn_gate_up_exps.bias", (6, 64), GGMLQuantizationType.F32, 0),
+        gguf_to_hf_name("gpt-oss", "blk.1.ffn_gate_up_exps.bias"), 6)][:2] == [
+        ("model.layers.1.mlp.experts.0.gate_proj.bias", 0, slice(0, 32)),
+        ("model.layers.1.mlp.experts.0.up_proj.bias", 0, slice(32, 64))]
+    tokens = PROMPT + list(range(40, 40 + NEW_TOKENS))
+    want, _, split_model = _logits(files["q8_0"], tokens, quantization)
+    got, _, fused_model = _logits(fused, tokens, quantization)
+    assert torch.equal(got, want)
+    split_state, fused_state = split_model.state_dict(), fused_model.state_dict()
+    assert split_state.keys() == fused_state.keys()
+    for name, value in split_state.items():
+        assert torch.equal(fused_state[name], value), name
