@@ -134,8 +134,9 @@ ROUTER_STD = 0.5
 def write_tiny_moe(path: Path, arch: str, types: dict[str, int], seed: int = 0,
                    experts: int = EXPERTS, split_experts: bool = False,
                    expert_count: int | None = None, chat_template: str | None = None) -> Path:
-    """A 2-layer mixture-of-experts GGUF at `path`: `arch` "qwen3moe" (Qwen3-MoE, QK-norm)
-    or "llama" (Mixtral, as llama.cpp writes it). `types` gives the GGUF type of each role:
+    """A 2-layer mixture-of-experts GGUF at `path`: `arch` "qwen3moe" (Qwen3-MoE, QK-norm
+    per head), "olmoe" (OLMoE, QK-norm over all heads, weights spread around one) or "llama"
+    (Mixtral, as llama.cpp writes it). `types` gives the GGUF type of each role:
     "attention" (q, k, v, o), "gate", "up", "down" (the experts' 3-D tensors), "embedding"
     (tied). The router is F32, as llama.cpp keeps it. `split_experts`: one 2-D tensor per
     expert (older converters); `expert_count`: the count written in the header (default:
@@ -171,6 +172,10 @@ def write_tiny_moe(path: Path, arch: str, types: dict[str, int], seed: int = 0,
         if arch == "qwen3moe":
             for name in ("attn_q_norm", "attn_k_norm"):
                 writer.add_tensor(f"blk.{i}.{name}.weight", np.ones(head_dim, dtype=np.float32))
+        if arch == "olmoe":
+            for name, width in (("attn_q_norm", HIDDEN), ("attn_k_norm", kv)):
+                norm = 1 + 0.3 * rng.standard_normal(width, dtype=np.float32)
+                writer.add_tensor(f"blk.{i}.{name}.weight", norm)
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
         router = rng.standard_normal((experts, HIDDEN), dtype=np.float32) * ROUTER_STD
         writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", router)

@@ -104,6 +104,9 @@ def tiny_hf_config(arch: str):
     if arch == "mixtral":  # 4 experts, 2 a token
         return tf.MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=4,
                                 num_experts_per_tok=2, sliding_window=None)
+    if arch == "olmoe":  # 8 experts, 2 a token, not renormalised; QK-norm over all heads
+        return tf.OlmoeConfig(**{**common, "intermediate_size": 32}, num_experts=8,
+                              num_experts_per_tok=2, norm_topk_prob=False)
     raise ValueError(arch)
 
 
@@ -138,7 +141,7 @@ def build_tiny_model(arch: str, folder: Path, seed: int = 0, qk_gain: float = 1.
     return model
 
 
-TINY_ARCHS = ["gemma3", "llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"]
+TINY_ARCHS = ["gemma3", "llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "olmoe"]
 
 # The tiny gpt-oss: its sliding layers' window (the tests' prompts are several windows
 # long) and its YaRN (x8 over 32 positions, gpt-oss's unrounded ramp of 32 to 1 rotations).

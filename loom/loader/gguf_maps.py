@@ -9,6 +9,7 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
     "llama": ("LlamaForCausalLM", "llama"),
+    "olmoe": ("OlmoeForCausalLM", "olmoe"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
@@ -39,10 +40,14 @@ GGUF_CONFIG_KEYS: dict[str, str] = {
     "expert_weights_norm": "norm_topk_prob",
 }
 
-# Architecture-specific overrides of GGUF_CONFIG_KEYS. gpt-oss's experts are its only
-# feed-forward blocks: HF's `intermediate_size` is their width.
+# Architecture-specific overrides of (and additions to) GGUF_CONFIG_KEYS. gpt-oss's experts
+# are its only feed-forward blocks: HF's `intermediate_size` is their width.
 GGUF_CONFIG_KEYS_OVERRIDES: dict[str, dict[str, str]] = {
     "gpt-oss": {"expert_feed_forward_length": "intermediate_size"},
+    # OLMoE's experts are its only feed-forward blocks too; its clamp of q, k and v is read
+    # so that a file that sets it is refused, not run without it.
+    "olmoe": {"expert_feed_forward_length": "intermediate_size",
+              "attention.clamp_kqv": "clip_qkv"},
 }
 
 # `{arch}.rope.scaling.<key>` metadata -> key of HF `rope_scaling` (beside its rope_type).
@@ -85,6 +90,9 @@ GGUF_CONFIG_DEFAULTS: dict[str, dict[str, Any]] = {
     # (llama.cpp hard-codes them too).
     "gpt-oss": {"attention_bias": True, "swiglu_alpha": 1.702, "swiglu_limit": 7.0},
     "llama": {"hidden_act": "silu"},
+    # llama.cpp weights an olmoe file's chosen experts by their softmax probabilities, not
+    # renormalised (as OLMoE's config says).
+    "olmoe": {"hidden_act": "silu", "norm_topk_prob": False},
     "qwen2": {"hidden_act": "silu"},
     "qwen3": {"hidden_act": "silu"},
     # llama.cpp renormalises the chosen experts' weights of every qwen3moe file.

@@ -33,6 +33,10 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                             "num_experts_per_tok": 8},
     "MixtralForCausalLM": {"rms_norm_eps": 1e-5, "rope_theta": 1_000_000.0,
                            "hidden_act": "silu", "num_experts_per_tok": 2},
+    # transformers' OlmoeConfig.
+    "OlmoeForCausalLM": {"rms_norm_eps": 1e-5, "rope_theta": 10_000.0, "hidden_act": "silu",
+                         "norm_topk_prob": False, "num_experts_per_tok": 8,
+                         "num_experts": 64, "clip_qkv": None},
     # transformers' GptOssConfig.
     "GptOssForCausalLM": {"rms_norm_eps": 1e-5, "head_dim": 64, "sliding_window": 128,
                           "attention_bias": True, "tie_word_embeddings": False,

@@ -75,6 +75,7 @@ class _LayerDesc(ctypes.Structure):
         ("moe", ctypes.c_void_p),  # a _MoEDesc, or None: the dense gate_up / down
         ("sinks", ctypes.c_void_p),  # float32 [heads], or None: no attention sinks
         ("act_alpha", ctypes.c_float), ("act_limit", ctypes.c_float),
+        ("qk_norm_all_heads", ctypes.c_int32),  # 1: the QK-norms span all heads (OLMoE)
     ]
 
 
@@ -258,7 +259,7 @@ def _describe(layer: nn.Module, keep: list[Any]) -> _LayerDesc:
         q_norm=q_norm[0], k_norm=k_norm[0],
         moe=None if moe_desc is None else ctypes.addressof(moe_desc),
         sinks=_f32(None if attn.sinks is None else attn.sinks.data, keep),
-        act_alpha=alpha, act_limit=limit,
+        act_alpha=alpha, act_limit=limit, qk_norm_all_heads=int(attn.qk_norm_all_heads),
     )
 
 

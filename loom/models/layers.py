@@ -238,10 +238,13 @@ class SelfAttention(nn.Module):
         o_bias: bool = False,
         qk_norm_eps: float | None = None,
         gemma_norm: bool = False,
+        qk_norm_all_heads: bool = False,
         sinks: bool = False,
     ) -> None:
-        """`sinks`: the layer has a learned attention sink per head (`self_attn.sinks`, see
-        `AttentionSpec.sinks`)."""
+        """`qk_norm_all_heads`: the QK-norm spans each token's whole q (and whole k), every
+        head's features at once, before the heads are split (OLMoE); otherwise it is per head
+        (Qwen3, Gemma 3). `sinks`: the layer has a learned attention sink per head
+        (`self_attn.sinks`, see `AttentionSpec.sinks`)."""
         super().__init__()
         h, kv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
@@ -251,9 +254,11 @@ class SelfAttention(nn.Module):
         self.o_proj = Linear(h * d, hidden_size, bias=o_bias)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
+        self.qk_norm_all_heads = qk_norm_all_heads
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(d, qk_norm_eps, gemma=gemma_norm)
-            self.k_norm = RMSNorm(d, qk_norm_eps, gemma=gemma_norm)
+            q_width, k_width = (h * d, kv * d) if qk_norm_all_heads else (d, d)
+            self.q_norm = RMSNorm(q_width, qk_norm_eps, gemma=gemma_norm)
+            self.k_norm = RMSNorm(k_width, qk_norm_eps, gemma=gemma_norm)
         self.rotary = RotaryEmbedding(d, rope)
         self.attn = PagedAttention(layer_idx, spec)
         self.sinks = nn.Parameter(torch.empty(h)) if sinks else None
@@ -276,9 +281,12 @@ class SelfAttention(nn.Module):
             q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q_norm, k_norm = self.q_norm, self.k_norm
+        if self.qk_norm_all_heads and q_norm is not None and k_norm is not None:
+            q, k, q_norm, k_norm = q_norm(q), k_norm(k), None, None
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)
+        q, k = self.rotary(positions, q, k, q_norm, k_norm)
         out = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, self.sinks)
         return self.o_proj(out)
 

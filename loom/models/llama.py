@@ -42,6 +42,7 @@ class LlamaDecoderLayer(nn.Module):
         qkv_bias: bool,
         o_bias: bool,
         qk_norm: bool,
+        qk_norm_all_heads: bool = False,
         mlp: nn.Module | None = None,
         sinks: bool = False,
     ) -> None:
@@ -58,7 +59,7 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = SelfAttention(
             layer_idx, config.hidden_size, spec, resolve_rope(t, layer_type),
             qkv_bias=qkv_bias, o_bias=o_bias, qk_norm_eps=eps if qk_norm else None,
-            sinks=sinks,
+            qk_norm_all_heads=qk_norm_all_heads, sinks=sinks,
         )
         # The feed-forward block: the dense gated MLP, or what the architecture gives
         # (a mixture of experts, `loom.models.moe`).
@@ -78,6 +79,7 @@ class LlamaForCausalLM(CausalLM):
 
     qkv_bias_default = False
     qk_norm = False
+    qk_norm_all_heads = False  # the QK-norm spans all heads at once (OLMoE), not each head
     attention_sinks = False  # a learned sink logit per head (`self_attn.sinks`)
 
     def __init__(self, config: ModelConfig) -> None:
@@ -90,7 +92,8 @@ class LlamaForCausalLM(CausalLM):
         layers = [
             LlamaDecoderLayer(
                 i, t, config, windows[i], qkv_bias=qkv_bias, o_bias=o_bias,
-                qk_norm=self.qk_norm, mlp=self.feed_forward(i, t, config),
+                qk_norm=self.qk_norm, qk_norm_all_heads=self.qk_norm_all_heads,
+                mlp=self.feed_forward(i, t, config),
                 sinks=self.attention_sinks,
             )
             for i in range(config.num_layers)

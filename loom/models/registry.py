@@ -8,6 +8,7 @@ from loom.models.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from loom.models.gpt_oss import GptOssForCausalLM
 from loom.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 from loom.models.mixtral import MixtralForCausalLM
+from loom.models.olmoe import OlmoeForCausalLM
 from loom.models.qwen3 import Qwen3ForCausalLM
 from loom.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -17,6 +18,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,

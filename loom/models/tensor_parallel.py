@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 # Architectures with parameters no shard rule covers yet, and which.
 _NOT_SHARDED = {
     "GptOssForCausalLM": "its attention sinks, expert biases and fused expert tensors",
+    # Each rank holds its heads' share of q and k; the norm needs every head's.
+    "OlmoeForCausalLM": "its QK-norms over all heads' features at once",
 }
 
 

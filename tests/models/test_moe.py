@@ -1,9 +1,10 @@
-"""Mixtures of experts (Qwen3-MoE, Mixtral): the routing rule, the block against a naive
+"""Mixtures of experts (Qwen3-MoE, Mixtral, OLMoE): the routing rule, the block against a naive
 per-token loop, tiny GGUFs of expert blocks in exact mode against transformers on the same
 dequantised weights, and the files Loom must refuse.
 
-The HF-form tiny models ("qwen3_moe", "mixtral" in TINY_ARCHS) are compared with transformers
-by the per-architecture engine tests (tests/engine/test_llm_engine.py and others)."""
+The HF-form tiny models ("qwen3_moe", "mixtral", "olmoe" in TINY_ARCHS) are compared with
+transformers by the per-architecture engine tests (tests/engine/test_llm_engine.py and
+others)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from tiny_gguf import (
 from tiny_reference import build_tiny_tokenizer
 
 from loom import SamplingParams
-from loom.errors import InvalidModelError
+from loom.errors import InvalidModelError, UnsupportedModelError
 from loom.loader.gguf_reader import GGUFFile
 from loom.models.moe import SparseMoE, route_topk
 
@@ -108,7 +109,8 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 def _reference(path: Path, arch: str):
     """transformers' model of the file's weights, dequantised by `gguf`'s own numpy code (not
-    Loom's): Qwen3MoeForCausalLM for "qwen3moe", MixtralForCausalLM for "llama"."""
+    Loom's): Qwen3MoeForCausalLM for "qwen3moe", OlmoeForCausalLM for "olmoe",
+    MixtralForCausalLM for "llama"."""
     import gguf
     import transformers as tf
 
@@ -123,6 +125,9 @@ def _reference(path: Path, arch: str):
         config = tf.Qwen3MoeConfig(**common, head_dim=HIDDEN // HEADS, intermediate_size=MOE_FFN,
                                    moe_intermediate_size=MOE_FFN, num_experts=EXPERTS,
                                    norm_topk_prob=True)
+    elif arch == "olmoe":
+        config = tf.OlmoeConfig(**common, intermediate_size=MOE_FFN, num_experts=EXPERTS,
+                                norm_topk_prob=False)
     else:
         config = tf.MixtralConfig(**common, intermediate_size=MOE_FFN, num_local_experts=EXPERTS,
                                   sliding_window=None)
@@ -146,7 +151,7 @@ def _reference(path: Path, arch: str):
                 [v["ffn_gate_exps.weight"], v["ffn_up_exps.weight"]], axis=1),
             p + "mlp.experts.down_proj": v["ffn_down_exps.weight"],
         })
-        if arch == "qwen3moe":
+        if arch in ("qwen3moe", "olmoe"):
             state[p + "self_attn.q_norm.weight"] = v["attn_q_norm.weight"]
             state[p + "self_attn.k_norm.weight"] = v["attn_k_norm.weight"]
     missing, unexpected = model.load_state_dict(
@@ -162,7 +167,7 @@ def moe_files(tmp_path_factory) -> dict[tuple[str, str], Path]:
     """(arch, types) -> a folder holding one tiny MoE GGUF and the tiny tokenizer."""
     root = tmp_path_factory.mktemp("moe-gguf")
     made = {}
-    for arch in ("qwen3moe", "llama"):
+    for arch in ("qwen3moe", "olmoe", "llama"):
         for kind, types in (("kquants", MOE_KQUANTS), ("blocks32", MOE_BLOCKS32)):
             folder = root / f"{arch}-{kind}"
             build_tiny_tokenizer(folder)
@@ -179,7 +184,7 @@ def _last_logprobs(folder: Path, **engine_args) -> tuple[int, dict[int, float]]:
     return out.token_ids[0], out.logprobs[0]
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "llama"])
 @pytest.mark.parametrize("kind", ["kquants", "blocks32"])
 def test_gguf_experts_in_exact_mode_equal_transformers(moe_files, arch, kind):
     """Exact mode dequantises the file's expert blocks: the same model as transformers on
@@ -194,7 +199,7 @@ def test_gguf_experts_in_exact_mode_equal_transformers(moe_files, arch, kind):
         assert lp == pytest.approx(float(ref[t]), abs=2e-4)
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "olmoe", "llama"])
 def test_gguf_default_mode_is_close_to_exact(moe_files, arch):
     """w4a8 (the default for a quantised GGUF) computes the experts from the file's blocks
     with int8 activations: the same model to activation rounding."""
@@ -276,3 +281,16 @@ def test_default_mode_experts_come_from_the_files_blocks_and_the_cache_rebuilds_
     run_to_completion(engine)
     assert engine.config.quantization == "w4a8"
     assert engine.runner.model.fused_decode_status == "ok"
+
+
+def test_olmoe_with_clamped_qkv_is_refused(tiny_models, tmp_path):
+    """OLMoE's `clip_qkv` (q, k and v clamped) is not computed: a model that sets it is
+    refused by name rather than run without it."""
+    import json
+    import shutil
+
+    folder = shutil.copytree(tiny_models["olmoe"][0], tmp_path / "olmoe")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "clip_qkv": 8.0}))
+    with pytest.raises(UnsupportedModelError, match=r"OLMoE with clip_qkv=8\.0"):
+        make_engine(folder, quantization=None)

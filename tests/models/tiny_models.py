@@ -68,12 +68,25 @@ def _qwen3() -> Any:
     return Qwen3ForCausalLM(Qwen3Config(**_COMMON, num_hidden_layers=2))
 
 
+def _olmoe() -> Any:
+    """OLMoE: QK-norm over all heads at once, 8 experts of width 32, 2 a token."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    return OlmoeForCausalLM(OlmoeConfig(**{**_COMMON, "intermediate_size": 32},
+                                        num_hidden_layers=2, num_experts=8,
+                                        num_experts_per_tok=2, norm_topk_prob=False))
+
+
 TINY_BUILDERS: dict[str, Callable[[], Any]] = {
     "gemma3": _gemma3,
     "llama": _llama,
+    "olmoe": _olmoe,
     "qwen2": _qwen2,
     "qwen3": _qwen3,
 }
+# A mixture of experts' router weights are scaled by this: at the init's std of 0.02 every
+# expert's probability is nearly equal and the choice would turn on rounding.
+ROUTER_GAIN = 50.0
 
 
 @dataclass
@@ -115,6 +128,8 @@ def save_tiny(name: str, folder: Path, **save_kwargs: Any) -> Any:
                 p.normal_(identity, 0.3)
             elif name in ("llama", "qwen2") and pname.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(QK_PROJ_GAIN)
+            elif pname.endswith("mlp.gate.weight"):
+                p.mul_(ROUTER_GAIN)
     model.save_pretrained(folder, **save_kwargs)
     return model
 

@@ -24,7 +24,8 @@ ATOL = 1e-5  # float32 TP=2 against TP=1 (a sum split in two, then added: roundi
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", params=TINY_ARCHS)
+# OLMoE does not split over ranks yet (test_tensor_parallel_features checks the refusal).
+@pytest.fixture(scope="module", params=[arch for arch in TINY_ARCHS if arch != "olmoe"])
 def pair(request, tiny_models):
     """(TP=1 engine, TP=2 engine, transformers model) of one tiny architecture."""
     folder, hf = tiny_models[request.param]

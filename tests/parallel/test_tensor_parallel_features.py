@@ -148,6 +148,10 @@ def test_a_model_that_does_not_split_is_refused_before_anything_starts(tiny_mode
                          hf={"intermediate_size": 96})
     with pytest.raises(UnsupportedModelError, match="3 KV heads"):
         check_shardable(config, 2)
+    folder, _ = tiny_models["olmoe"]  # its QK-norms need every rank's heads
+    with pytest.raises(UnsupportedModelError, match="OlmoeForCausalLM does not split over"
+                                                    " tensor-parallel ranks yet: its QK-norms"):
+        make_engine(folder, tensor_parallel_size=2)
 
 
 def test_shutdown_during_a_step_on_another_thread_ends_cleanly(tiny_models):

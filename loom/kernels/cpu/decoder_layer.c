@@ -38,6 +38,8 @@ typedef struct {
     const LoomMoE *moe;           /* NULL: the dense gated MLP */
     const float *sinks;           /* NULL, or [heads]: attention sinks (attention.c) */
     float act_alpha, act_limit;   /* the clamped SwiGLU's (activation 2) */
+    int32_t qk_norm_all_heads;    /* 1: q_norm / k_norm span a token's whole q / k (OLMoE);
+                                   * 0: each head's head_dim features */
 } LoomDecoderLayer;
 
 /* moe.c: the block body (every thread of the region calls it; y may be x) and its workspace
@@ -178,10 +180,16 @@ static void decode_layer_body(const LoomDecoderLayer *L, float *x, int64_t m, co
         memcpy(ws->q + r * qd, ws->qkv + r * qkv_n, (size_t)qd * sizeof(float));
         memcpy(ws->k + r * kd, ws->qkv + r * qkv_n + qd, (size_t)kd * sizeof(float));
     }
-    if (L->q_norm)
-        rms_norm_body(ws->q, m * L->heads, d, L->q_norm, L->norm_offset, L->eps, NULL, ws->q);
-    if (L->k_norm)
-        rms_norm_body(ws->k, m * L->kv_heads, d, L->k_norm, L->norm_offset, L->eps, NULL, ws->k);
+    if (L->q_norm) {
+        const int all = L->qk_norm_all_heads;
+        rms_norm_body(ws->q, all ? m : m * L->heads, all ? qd : d, L->q_norm, L->norm_offset,
+                      L->eps, NULL, ws->q);
+    }
+    if (L->k_norm) {
+        const int all = L->qk_norm_all_heads;
+        rms_norm_body(ws->k, all ? m : m * L->kv_heads, all ? kd : d, L->k_norm, L->norm_offset,
+                      L->eps, NULL, ws->k);
+    }
     rope_body(ws->q, m, L->heads, d, cos_t, sin_t, ws->q_rot);
     rope_body(ws->k, m, L->kv_heads, d, cos_t, sin_t, ws->k_rot);
 #pragma omp for schedule(static)
