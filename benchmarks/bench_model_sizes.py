@@ -28,23 +28,24 @@ common flags are not used here (`--sizes` and `--loom-modes` choose).
 
 Mixtures of experts (issue 45), only when `--sizes` names them, in a run of their own (their
 own result, `model_sizes_moe.json`, and doc section): `qwen3-30b-a3b` (Qwen3-30B-A3B's
-layers: 128 experts of width 768, 8 a token, QK-norm; 16 of its 48 layers) and
-`mixtral-8x7b` (Mixtral-8x7B's: 8 experts of width 14336, 2 a token, GGUF arch "llama"; 4
-of its 32 layers), written by `benchmarks/random_moe_gguf.py` (Q4_K_M's blocks written
-directly, SmolLM2's tokenizer; `--moe-layers N` writes another cut), and `gpt-oss-20b`
-(gpt-oss-20b's: 32 experts of width 2880, 4 a token, attention sinks, biases, a 128-token
-window on alternate layers, YaRN; 8 of its 24 layers; MXFP4 experts and Q8_0 embedding,
-output head and attention as ggml-org's gpt-oss-20b-mxfp4.gguf; its real 201,088-token
-vocabulary: SmolLM2's tokenizer padded). Loom runs its default
-mode only unless `--loom-modes` says otherwise. Besides the above, per engine: the total
-decode tok/s of `--streams` (8) concurrent streams (Loom: one engine; llama.cpp: one
-context with that many sequences, through llama-cpp-python's low-level batch API), sampled at
+layers: 128 experts of width 768, 8 a token, QK-norm; 16 of its 48 layers), `mixtral-8x7b`
+(Mixtral-8x7B's: 8 experts of width 14336, 2 a token, GGUF arch "llama"; 4 of its 32
+layers), `olmoe-1b-7b` (OLMoE-1B-7B's: 64 experts of width 1024, 8 a token, QK-norms over
+all heads; all 16 layers), written by `benchmarks/random_moe_gguf.py` (Q4_K_M's blocks
+written directly, SmolLM2's tokenizer; `--moe-layers N` writes another cut), and
+`gpt-oss-20b` (gpt-oss-20b's: 32 experts of width 2880, 4 a token, attention sinks, biases,
+a 128-token window on alternate layers, YaRN; 8 of its 24 layers; MXFP4 experts and Q8_0
+embedding, output head and attention as ggml-org's gpt-oss-20b-mxfp4.gguf; its real
+201,088-token vocabulary: SmolLM2's tokenizer padded). Loom runs its default mode only
+unless `--loom-modes` says otherwise. Besides the above, per engine: the total decode tok/s
+of `--streams` (8) concurrent streams (Loom: one engine; llama.cpp: one context with that
+many sequences, through llama-cpp-python's low-level batch API), sampled at
 `--stream-temperature` (1: greedy decoding of random weights repeats one token in every
-stream, whose steps would then share their experts); the time
-to read the file from disk with the page cache dropped (root), and each engine's first load
-after the page cache is dropped the same way (llama.cpp then loads again, warm, and
-measures); bytes per token count only the active experts' share of the expert tensors
-(experts_used / experts) besides the dense parts; and the issue's targets, met or not.
+stream, whose steps would then share their experts); the time to read the file from disk
+with the page cache dropped (root), and each engine's first load after the page cache is
+dropped the same way (llama.cpp then loads again, warm, and measures); bytes per token count
+only the active experts' share of the expert tensors (experts_used / experts) besides the
+dense parts; and the issue's targets, met or not.
 
     python benchmarks/bench_model_sizes.py                     # 360M, 1.7B, 3B
     python benchmarks/bench_model_sizes.py --with-8b           # and 8B when memory allows
@@ -53,6 +54,8 @@ measures); bytes per token count only the active experts' share of the expert te
     python benchmarks/bench_model_sizes.py --doc-only          # re-render the doc section(s)
     python benchmarks/bench_model_sizes.py --sizes qwen3-30b-a3b mixtral-8x7b  # MoE (issue 45)
     python benchmarks/bench_model_sizes.py --sizes qwen3-30b-a3b mixtral-8x7b gpt-oss-20b
+    python benchmarks/bench_model_sizes.py --sizes qwen3-30b-a3b mixtral-8x7b olmoe-1b-7b \
+        gpt-oss-20b
 """
 
 from __future__ import annotations
@@ -966,9 +969,11 @@ def _targets_heading(result: dict[str, Any]) -> str:
     archs = {s["moe"]["arch"] for s in result["results"].values()}
     parts = []
     if archs - {"gpt-oss"}:
+        others = [name for arch, name in (("llama", "Mixtral"), ("olmoe", "OLMoE"))
+                  if arch in archs]
         parts.append("Issue 45's targets (set for the Qwen3-30B-A3B shape"
-                     + ("; the Mixtral rows are measured against the same bounds for reference"
-                        if "llama" in archs else "") + ")")
+                     + (f"; the {' and '.join(others)} rows are measured against the same"
+                        " bounds for reference" if others else "") + ")")
     if "gpt-oss" in archs:
         parts.append("the targets for gpt-oss-20b (decode at least 1.3x llama.cpp's, TTFT "
                      "(512) at most 0.8x, peak RSS at most 1.1x)")

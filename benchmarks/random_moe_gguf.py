@@ -1,6 +1,6 @@
 """A mixture-of-experts GGUF of a real model's shape with random quantised weights, for load
-and speed runs of Qwen3-30B-A3B, Mixtral-8x7B and gpt-oss-20b shaped files without
-downloading them.
+and speed runs of Qwen3-30B-A3B, Mixtral-8x7B, OLMoE-1B-7B and gpt-oss-20b shaped files
+without downloading them.
 
 The K-quant blocks are written directly (random quants with small float16 scales, as
 `tests/tiny_gguf.py`'s `random_blocks`, and Q4_K's mins set so that the values are centred on
@@ -18,7 +18,9 @@ embedding Q4_K and the separate output head Q6_K (neither model ties them); the 
 
 Tokenizer: SmolLM2's, copied from the `smollm2-135m-instruct` GGUF as
 `benchmarks/random_gguf.py` does, so the vocabulary is SmolLM2's 49,152 tokens (Qwen3's is
-151,936 and Mixtral's 32,000): the embedding and output head follow that vocabulary.
+151,936, Mixtral's 32,000 and OLMoE's 50,304): the embedding and output head follow that
+vocabulary. OLMoE-1B-7B (GGUF arch "olmoe") is written whole, its QK-norms as wide as all
+heads' q and k.
 
 gpt-oss-20b (GGUF arch "gpt-oss", as llama.cpp's converter writes it) is laid out as
 ggml-org's published `gpt-oss-20b-mxfp4.gguf`: the experts' gate, up and down as 3-D MXFP4
@@ -67,7 +69,8 @@ GPT_OSS_VOCAB, GPT_OSS_SPECIALS_FROM = 201_088, 199_998
 class MoEShape:
     """A mixture-of-experts model's sizes (`layers` of its `full_layers` written)."""
 
-    arch: str  # GGUF architecture: "qwen3moe", "llama" with experts (Mixtral), "gpt-oss"
+    arch: str  # GGUF architecture: "qwen3moe", "llama" with experts (Mixtral), "olmoe",
+    # "gpt-oss"
     hidden: int
     layers: int
     full_layers: int
@@ -91,6 +94,9 @@ MOE_SHAPES = {
     # Mixtral-8x7B: 32 layers; 4 written (3.76 GiB).
     "mixtral-8x7b": MoEShape("llama", 4096, 4, 32, 32, 8, 128, 8, 2, 14336,
                              1_000_000.0, qk_norm=False),
+    # OLMoE-1B-7B: 16 layers, all written (3.94 GiB).
+    "olmoe-1b-7b": MoEShape("olmoe", 2048, 16, 16, 16, 16, 128, 64, 8, 1024, 10_000.0,
+                            qk_norm=True, context=4096),
     # gpt-oss-20b: 24 layers; 8 written (4.52 GiB; 4 sliding, 4 full).
     "gpt-oss-20b": MoEShape("gpt-oss", 2880, 8, 24, 64, 8, 64, 32, 4, 2880, 150_000.0,
                             qk_norm=False, context=131_072, sliding_window=128,
@@ -136,9 +142,10 @@ def _tensors(shape: MoEShape, vocab: int) -> Iterator[tuple[str, tuple[int, ...]
         yield f"blk.{b}.attn_k.weight", (kv, h), Q4_K
         yield f"blk.{b}.attn_v.weight", (kv, h), Q6_K
         yield f"blk.{b}.attn_output.weight", (h, q), Q4_K
-        if shape.qk_norm:
-            yield f"blk.{b}.attn_q_norm.weight", (shape.head_dim,), "F32"
-            yield f"blk.{b}.attn_k_norm.weight", (shape.head_dim,), "F32"
+        if shape.qk_norm:  # per head; OLMoE's span all heads
+            wide = shape.arch == "olmoe"
+            yield f"blk.{b}.attn_q_norm.weight", (q if wide else shape.head_dim,), "F32"
+            yield f"blk.{b}.attn_k_norm.weight", (kv if wide else shape.head_dim,), "F32"
         yield f"blk.{b}.ffn_norm.weight", (h,), "F32"
         yield f"blk.{b}.ffn_gate_inp.weight", (e, h), "F32"  # the router
         yield f"blk.{b}.ffn_gate_exps.weight", (e, i, h), Q4_K
