@@ -171,6 +171,14 @@ class SparseMoE(nn.Module):
         """Forget the C form (after the experts' weights changed)."""
         self._kernel, self._kernel_status = None, "not built"
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (`copy.deepcopy`, pickle) builds a C form of its own at first use: this
+        one's descriptor points into this module's tensors (and ctypes pointers do not
+        copy)."""
+        state = self.__dict__.copy()
+        state["_kernel"], state["_kernel_status"] = None, "not built"
+        return state
+
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, top_k={self.top_k}, "
                 f"renormalize={self.renormalize}, scoring={self.scoring}")

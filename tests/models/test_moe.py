@@ -294,3 +294,22 @@ def test_olmoe_with_clamped_qkv_is_refused(tiny_models, tmp_path):
     (folder / "config.json").write_text(json.dumps({**config, "clip_qkv": 8.0}))
     with pytest.raises(UnsupportedModelError, match=r"OLMoE with clip_qkv=8\.0"):
         make_engine(folder, quantization=None)
+
+
+def test_a_copy_of_a_block_that_ran_builds_its_own_kernel():
+    """`copy.deepcopy` of a block whose C form was built (its descriptor points into the
+    block's own tensors) gives a block that computes the same, and, once its weights change,
+    computes from its own weights, not the original's."""
+    import copy
+
+    moe = _random_moe(2)
+    x = torch.randn(5, 32)
+    want = moe(x)
+    twin = copy.deepcopy(moe)
+    assert torch.equal(twin(x), want)
+    with torch.no_grad():
+        for p in twin.experts.parameters():
+            p.mul_(2.0)
+    twin.invalidate_kernel()
+    assert not torch.allclose(twin(x), want)
+    assert torch.equal(moe(x), want)
