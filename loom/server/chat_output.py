@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from loom.server import tool_calls
-from loom.server.output_split import OutputSplit
+from loom.server.output_split import OutputSplit, split_step
 
 
 def message(split: OutputSplit, text: str, token_ids: Sequence[int],
@@ -18,17 +18,9 @@ def message(split: OutputSplit, text: str, token_ids: Sequence[int],
     so content is null when calls come without text). Where the format has reasoning,
     `reasoning_content` is present (null without reasoning), and an output that is all
     reasoning has null content."""
-    thought, pieces = split.feed(text, token_ids)
-    more_thought, more_pieces = split.finish()
-    thought += more_thought
-    content = "".join(p for p in [*pieces, *more_pieces] if isinstance(p, str))
-    calls = split.calls
-    body: dict[str, Any] = {"role": "assistant", "content": content}
-    if calls:
-        body = {"role": "assistant", "content": content or None,
-                "tool_calls": [c.as_dict() for c in calls]}
-    elif with_calls:
-        body["content"] = content or ""
+    thought, pieces = split_step(split, text, token_ids, finished=True)
+    content = "".join(p for p in pieces if isinstance(p, str))
+    body = tool_calls.assistant_message(content, split.calls, with_calls)
     if not split.splits_reasoning:
         return body
     if not content and thought:
@@ -66,10 +58,7 @@ class ChoiceDeltas:
         """The deltas of a step's `text` and `token_ids` (`finished`: the output ended with
         it; what was held back is given out)."""
         before = len(self._split.calls)
-        thought, pieces = self._split.feed(text, token_ids)
-        if finished:
-            more_thought, more_pieces = self._split.finish()
-            thought, pieces = thought + more_thought, pieces + more_pieces
+        thought, pieces = split_step(self._split, text, token_ids, finished)
         out = [{"reasoning_content": thought}] if thought else []
-        return out + tool_calls.stream_deltas([p for p in pieces if p != ""], before)
+        return out + tool_calls.stream_deltas(pieces, before)
 

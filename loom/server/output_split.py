@@ -162,6 +162,17 @@ class HarmonySplit:
         return content, self.reasoning_text or None
 
 
+def split_step(split: OutputSplit, text: str, token_ids: Sequence[int], finished: bool,
+               ) -> tuple[str, list[Piece]]:
+    """The (reasoning, pieces) of one step's delta through `split` (`finished`: the output
+    ended with it, so what the split held is given out too); no piece is empty text."""
+    thought, pieces = split.feed(text, token_ids)
+    if finished:
+        more_thought, more_pieces = split.finish()
+        thought, pieces = thought + more_thought, pieces + more_pieces
+    return thought, [p for p in pieces if p != ""]
+
+
 def _arguments(text: str) -> str:
     """A call's arguments as compact JSON text when they are JSON, else as written."""
     with contextlib.suppress(ValueError):

@@ -137,14 +137,6 @@ class ReasoningStream:
         return text
 
 
-def split(stream: ReasoningStream, text: str) -> tuple[str | None, str | None]:
-    """A whole output's (reasoning, content) through a fresh `stream` (None for either
-    when it is empty): the same split as its deltas would give."""
-    reasoning, content = stream.feed(text)
-    more_reasoning, more_content = stream.finish()
-    return (reasoning + more_reasoning) or None, (content + more_content) or None
-
-
 @dataclass(frozen=True)
 class ReasoningParser:
     """A think-tag parser: `qwen3`, or `deepseek_r1` (an output reads as starting inside a

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from loom.errors import RequestFailedError
 from loom.server.errors import APIError, as_api_error
-from loom.server.output_split import OutputSplit
+from loom.server.output_split import OutputSplit, split_step
 from loom.server.protocol import CalledFunction, ChatMessage, ResponsesRequest, ToolCall
 from loom.server.response_input import new_id
 from loom.server.state import ServerState
@@ -227,14 +227,11 @@ class ResponseTurn:
                 comp = out.outputs[0]
                 generated += len(comp.token_ids)
                 finished = comp.finish_reason is not None
-                thinking, pieces = self.split.feed(comp.text, comp.token_ids)
-                if finished:
-                    more_thinking, more_pieces = self.split.finish()
-                    thinking, pieces = thinking + more_thinking, pieces + more_pieces
+                thinking, pieces = split_step(self.split, comp.text, comp.token_ids, finished)
                 if thinking:
                     for event in reasoning_events(thinking):
                         yield event
-                for event in pieces_events([p for p in pieces if p != ""]):
+                for event in pieces_events(pieces):
                     yield event
                 if finished:
                     reason = comp.finish_reason

@@ -153,12 +153,20 @@ def parse_whole(text: str, names: frozenset[str]) -> tuple[str | None, list[Pars
 def message(text: str, names: frozenset[str] | None) -> dict[str, Any]:
     """A chat choice's `message`: the text as content, or (with tool names) parsed."""
     if names is None:
-        return {"role": "assistant", "content": text}
+        return assistant_message(text, [], with_calls=False)
     content, calls = parse_whole(text, names)
-    if not calls:
-        return {"role": "assistant", "content": content or ""}
-    return {"role": "assistant", "content": content,
-            "tool_calls": [c.as_dict() for c in calls]}
+    return assistant_message(content or "", calls, with_calls=True)
+
+
+def assistant_message(content: str, calls: list[ParsedCall], with_calls: bool,
+                      ) -> dict[str, Any]:
+    """A chat `message` of an output's content and calls: beside calls, empty content is
+    null; without calls it is the content as it is (`with_calls`: tools were offered, and
+    there an absent content is "")."""
+    if calls:
+        return {"role": "assistant", "content": content or None,
+                "tool_calls": [c.as_dict() for c in calls]}
+    return {"role": "assistant", "content": content or "" if with_calls else content}
 
 
 def stream_deltas(pieces: list[str | ParsedCall], first_index: int) -> list[dict[str, Any]]:

@@ -26,9 +26,9 @@ from loom.server.cli import server_config_from
 from loom.server.output_split import TextSplit
 from loom.server.reasoning import (
     PromptThinking,
+    ReasoningStream,
     prompt_thinking,
     select_parser,
-    split,
     thinks,
 )
 from loom.server.response_input import input_messages
@@ -63,6 +63,14 @@ WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object",
                                           "properties": {"city": {"type": "string"}}}}}
 CALL = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,6}"\}\}</tool_call>'
+
+
+def split(stream: ReasoningStream, text: str) -> tuple[str | None, str | None]:
+    """A whole output's (reasoning, content) through a fresh `stream` (None for either
+    when it is empty): what its deltas add up to."""
+    reasoning, content = stream.feed(text)
+    more_reasoning, more_content = stream.finish()
+    return (reasoning + more_reasoning) or None, (content + more_content) or None
 
 
 # ---------------------------------------------------------------- the parser, whole
