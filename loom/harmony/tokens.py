@@ -61,6 +61,15 @@ def inverse_byte_alphabet() -> dict[str, int]:
     return {char: byte for byte, char in byte_alphabet().items()}
 
 
+def byte_level_bytes(token: str) -> bytes | None:
+    """The bytes a byte-level token spells in GPT-2's alphabet; None when a character of it
+    is not in that alphabet."""
+    inverse = inverse_byte_alphabet()
+    if not all(c in inverse for c in token):
+        return None
+    return bytes(inverse[c] for c in token)
+
+
 class TokenBytes:
     """The bytes each token id of a Loom tokenizer stands for: an added (special) token's
     text, a byte-level token's bytes; for a vocabulary that is not byte-level, the token's
@@ -80,8 +89,7 @@ class TokenBytes:
         token = self._tokenizer.convert_ids_to_tokens([token_id])[0]
         if token is None:
             return b""
-        if self._byte_level:
-            inverse = inverse_byte_alphabet()
-            if all(c in inverse for c in token):
-                return bytes(inverse[c] for c in token)
+        spelled = byte_level_bytes(token) if self._byte_level else None
+        if spelled is not None:
+            return spelled
         return self._tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8")

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import os
-import tempfile
 from pathlib import Path
 
-from loom.harmony.tokens import inverse_byte_alphabet
+from loom.cache_dir import write_atomic
+from loom.harmony.tokens import byte_level_bytes
 from loom.tokenizer.tokenizer import Tokenizer
 
 VOCAB_FILE = "o200k_base.tiktoken"
@@ -32,12 +31,11 @@ def o200k_file_bytes(tokenizer: Tokenizer) -> bytes:
     """The vocabulary file's content for `tokenizer`'s ordinary tokens; VocabularyMismatch
     when a token is missing, is not byte-level, or the content's hash is not o200k's."""
     tokens = tokenizer.convert_ids_to_tokens(range(O200K_ORDINARY))
-    inverse = inverse_byte_alphabet()
     lines = []
     for token_id, token in enumerate(tokens):
-        if token is None or not all(c in inverse for c in token):
+        data = byte_level_bytes(token) if token is not None else None
+        if data is None:
             raise VocabularyMismatch(f"token {token_id} ({token!r}) is not a byte-level token")
-        data = bytes(inverse[c] for c in token)
         lines.append(base64.b64encode(data) + b" " + str(token_id).encode() + b"\n")
     content = b"".join(lines)
     digest = hashlib.sha256(content).hexdigest()
@@ -56,12 +54,5 @@ def write_o200k_file(tokenizer: Tokenizer, directory: Path) -> Path:
     if path.is_file() and path.read_bytes() == content:
         return path
     directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=VOCAB_FILE + ".")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(content)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, content)
     return path

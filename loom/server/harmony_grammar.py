@@ -26,10 +26,6 @@ from loom.sampling_params import StructuredOutputsParams
 from loom.server.protocol import Tool
 from loom.server.tools import ToolPlan, call_arguments_schema
 
-# The harmony special tokens the grammar names (`special_ids` maps each to its id).
-SPECIAL_TOKENS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|return|>",
-                  "<|call|>", "<|constrain|>")
-
 
 def _final_body(constraint: StructuredOutputsParams | None) -> str:
     """The grammar of a final message's text under `constraint` (None: any text)."""
@@ -64,13 +60,13 @@ def harmony_grammar(special_ids: dict[str, int], tools: ToolPlan | None,
                     constraint: StructuredOutputsParams | None) -> StructuredOutputsParams | None:
     """The grammar of a harmony output under the request's tools and constraint (module
     docstring); None when nothing is constrained (no tools offered, no constraint).
-    `special_ids`: the ids of SPECIAL_TOKENS."""
+    `special_ids`: each harmony special token's id (`HarmonyCodec.special_ids`)."""
     offered = list(tools.offered) if tools is not None else []
     forced = tools.forced if tools is not None else None
     if not offered and constraint is None:
         return None
     called = [t for t in offered if forced in (None, "required", t.function.name)]
-    tok = {name.strip("<|>"): f"<[{special_ids[name]}]>" for name in SPECIAL_TOKENS}
+    tok = {name.strip("<|>"): f"<[{token_id}]>" for name, token_id in special_ids.items()}
     rules: list[str] = []
     calls = ""
     if called:

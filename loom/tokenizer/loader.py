@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from loom.cache_dir import file_identity, loom_cache_dir
+from loom.cache_dir import file_identity, loom_cache_dir, write_atomic
 from loom.errors import ModelNotFoundError, UnsupportedModelError
 from loom.tokenizer.tokenizer import Tokenizer, TokenizerConfig
 
@@ -53,18 +51,6 @@ def _cache_key(path: Path) -> str:
     return f"{path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
 
 
-def _write_atomic(target: Path, text: str) -> None:
-    """Write via a temporary file in the same folder and rename: readers never see a half file."""
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def load_gguf_tokenizer(path: Path, cache_dir: Path | None = None) -> Tokenizer:
     """The tokenizer a GGUF file's metadata describes; reuses the on-disk conversion if fresh."""
     from loom.loader.gguf_reader import GGUFFile
@@ -84,8 +70,8 @@ def load_gguf_tokenizer(path: Path, cache_dir: Path | None = None) -> Tokenizer:
     try:
         cache.mkdir(parents=True, exist_ok=True)
         # The model file first: a meta file is the mark of a complete entry.
-        _write_atomic(model_file, backend.to_str())
-        _write_atomic(meta_file, config.to_json())
+        write_atomic(model_file, backend.to_str().encode("utf-8"))
+        write_atomic(meta_file, config.to_json().encode("utf-8"))
     except OSError:
         pass  # a read-only cache only costs the next load its conversion time
     return Tokenizer(backend, config)
