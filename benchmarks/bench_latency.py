@@ -97,6 +97,13 @@ def llama_cpp_runner(llm: Any) -> Runner:
     return run
 
 
+def timed_run(run: Runner, prompt: list[int], max_tokens: int) -> tuple[float, float]:
+    """(TTFT ms, decode tokens/s after the first token) of one run of `prompt`."""
+    start, times = run(prompt, max_tokens)
+    assert len(times) == max_tokens, f"got {len(times)} tokens, wanted {max_tokens}"
+    return (times[0] - start) * 1e3, (len(times) - 1) / (times[-1] - times[0])
+
+
 def measure(run: Runner, prompts: list[list[int]], warmup: list[int],
             max_tokens: int) -> dict[str, Any]:
     """Median TTFT (ms) and decode tokens/s over one run per prompt, after one short warmup.
@@ -107,10 +114,9 @@ def measure(run: Runner, prompts: list[list[int]], warmup: list[int],
     run(warmup, 4)
     ttfts, rates = [], []
     for prompt in prompts:
-        start, times = run(prompt, max_tokens)
-        assert len(times) == max_tokens, f"got {len(times)} tokens, wanted {max_tokens}"
-        ttfts.append((times[0] - start) * 1e3)
-        rates.append((len(times) - 1) / (times[-1] - times[0]))
+        ttft, rate = timed_run(run, prompt, max_tokens)
+        ttfts.append(ttft)
+        rates.append(rate)
     return {
         "ttft_ms": round(c.median(ttfts), 2),
         "decode_tok_s": round(c.median(rates), 3),

@@ -68,9 +68,8 @@ def measure_file(path: Path, rounds: int, prompt_len: int, max_tokens: int,
         row: dict[str, Any] = {"round": r, "first": order[0],
                                "probe_gb_s": read_bandwidth(threads, 256, 3)["gb_s"]}
         for name in order:
-            start, times = runners[name](prompt, max_tokens)
-            row[name] = {"ttft_ms": round((times[0] - start) * 1e3, 1),
-                         "decode_tok_s": round((len(times) - 1) / (times[-1] - times[0]), 2)}
+            ttft, rate = bl.timed_run(runners[name], prompt, max_tokens)
+            row[name] = {"ttft_ms": round(ttft, 1), "decode_tok_s": round(rate, 2)}
         row["decode_ratio"] = round(row["loom"]["decode_tok_s"]
                                     / row["llama.cpp"]["decode_tok_s"], 3)
         row["ttft_ratio"] = round(row["loom"]["ttft_ms"] / row["llama.cpp"]["ttft_ms"], 3)

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import re
 
+from loom.harmony.conversation import ROLES
 from loom.harmony.events import Header
 
 CHANNEL = "<|channel|>"
 CONSTRAIN = "<|constrain|>"
-ROLES = ("user", "assistant", "system", "developer", "tool")
 # Unicode's White_Space (what the package's trimming and channel words stop at).
 _WHITE_SPACE = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005"
                          "\u2006\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000")
