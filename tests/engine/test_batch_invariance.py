@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine.helpers import make_engine, run_to_completion
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from tiny_reference import TINY_ARCHS
 
@@ -169,6 +169,14 @@ def scenarios(draw) -> Scenario:
                     num_kv_blocks=blocks, num_drafts=draw(st.sampled_from([0, 0, 2, 4])),
                     requests=tuple(requests),
                     max_step_ms=draw(st.sampled_from([None, None, 2.0, 10.0])))
+
+
+# An explicit example that preempts whatever the step times: three 48-token greedy prompts at
+# once in 26 blocks of 4 (each needs 15 by its end), no time budget (the generated examples'
+# preemptions can hinge on budgets cut by measured step times).
+PREEMPTING = Scenario(budget=128, prefix_cache=False, num_kv_blocks=26, num_drafts=0,
+                      requests=tuple(Req(kind="greedy", prompt=tuple(range(5 + 7 * i, 53 + 7 * i)),
+                                         arrival=0) for i in range(3)))
 
 
 # ---- the reference: each request alone, one fresh prefill, in one engine per model ------------
@@ -390,6 +398,7 @@ def test_tokens_and_logprobs_do_not_depend_on_the_batch(tiny_models, tiny_gguf_f
               phases=[Phase.explicit, Phase.generate],
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(scenario=scenarios())
+    @example(scenario=PREEMPTING)
     def check(scenario: Scenario) -> None:
         outputs, logits, stats, interjected = run_scenario(folder, scenario)
         problems = compare(folder, scenario, outputs, logits, interjected)
