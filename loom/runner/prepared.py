@@ -44,7 +44,7 @@ from loom.models.weight_shard import Shard
 logger = logging.getLogger("loom")
 
 # Bump when what a prepared file holds changes (module tree, layouts, quantisation rules).
-FORMAT = "4"  # 4: w4a8 computes the blocks of 32 (Q4_0 ... Q8_0) too
+FORMAT = "5"  # 5: w4a8 keeps Q6_K in 6.6 bits a value (low nibbles and top bits)
 # Prepared entries kept on disk (the least recently used beyond these are deleted).
 KEEP = 4
 

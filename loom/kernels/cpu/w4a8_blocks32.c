@@ -263,7 +263,7 @@ LOOM_EXPORT void loom_linear_w4a8_ref(const float *x, int64_t m, int64_t k, int6
                     } else {
                         int32_t half[2] = {0, 0};
                         for (int i = 0; i < 32; i++)
-                            half[i / 16] += rc[160 + w4_byte_at(c, (int)(32 * j) + i)] * xq[i];
+                            half[i / 16] += w4_q6k_value(rc, c, (int)(32 * j) + i) * xq[i];
                         const int32_t sa = (int8_t)rc[32 + (2 * j) * 8 + c];
                         const int32_t sb = (int8_t)rc[32 + (2 * j + 1) * 8 + c];
                         const int32_t jj = sa * (half[0] - 32 * a.x16[2 * ab]) +

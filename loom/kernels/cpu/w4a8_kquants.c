@@ -31,12 +31,20 @@
  *   Q4_K (1216 bytes): d[8] f32 | dmin[8] f32 | sc[8 blocks][8 cols] u8 | m[8][8] u8 |
  *                      lo[8 blocks][128]
  *   Q5_K (2240 bytes): as Q4_K's header | q[8 blocks][256]
- *   Q6_K (2208 bytes): d[8] f32 | sc[16 halves][8 cols] i8 | q[8 blocks][256]
+ *   Q6_K (1696 bytes): d[8] f32 | sc[16 halves][8 cols] i8 | 8 blocks of (lo[128] | hi[64])
  * lo: byte v * 32 + c * 4 + i holds k = 8 v + i (low nibble) and 8 v + 4 + i (high nibble)
- * of the block; Q5_K's and Q6_K's q one byte each, byte t * 32 + c * 4 + i for k = 4 t + i: a
- * 6-bit value costs as many operations to unpack as to multiply, and on two cores the
- * unpacking made Q6_K layers compute-bound at half the memory's bandwidth (measured: an
- * output projection 5.7 ms packed in 6 bits against 3.7 ms for w8a8's bytes). */
+ * of the block (Q6_K's four low bits); Q5_K's q one byte each, byte t * 32 + c * 4 + i for
+ * k = 4 t + i; hi (Q6_K's top two bits): byte u * 32 + c * 4 + i holds k = 16 u + 4 p + i in
+ * bits 2p, 2p + 1.
+ *
+ * Q6_K holds 6.6 bits a value, 1% above the file's 6.56. Its layers are most of a Q4_K_M
+ * model's bytes a token (the experts' down projections, attn_v, the output head), and with
+ * VNNI's one-instruction sums the unpacking (an and, a shift and an or per 32 values) keeps
+ * a decode step memory-bound; each block's lo and hi are adjacent, so a record is read as
+ * one stream (lo and hi as separate areas left the prefetchers two streams a record and
+ * read 30% slower than a byte a value). Measured on 2 Zen 4 cores (benchmarks/ab_kernels.py
+ * w4a8 --type 14 --k 2048): 1.35-1.53x a byte a value's speed at 1 row, 1.42x at 2, equal at
+ * 8, 0.9x at 64 (prefill is compute-bound; the unpacking costs there). */
 
 #define W4_SB 256
 #define W4_Q4_0 2
@@ -50,7 +58,7 @@
 #define W4_Q6K 14
 #define W4_REC_Q4K 1216
 #define W4_REC_Q5K 2240
-#define W4_REC_Q6K 2208
+#define W4_REC_Q6K 1696
 
 /* The blocks of 32 (see "w4a8 over blocks of 32" below). */
 static inline int w4_is_b32(int64_t type) {
@@ -92,37 +100,59 @@ static inline int64_t w4_record_k(int64_t type) { return w4_is_b32(type) ? QBLOC
  * same float arithmetic; their q differ in width and packing. */
 static inline int w4_has_mins(int64_t type) { return type == W4_Q4K || type == W4_Q5K; }
 
-/* The scales of one file Q4_K super-block of one row, and its nibbles written straight into
- * column c's lo area of record r (no per-value decode: the first load packs billions of
- * them). Block j's k = 8 v + i and 8 v + 4 + i (i < 4) are nibbles of file byte 32 * (j / 2)
- * + 8 v + i and + 4, in the half j % 2 (q4_k_value). */
+/* The 32 nibbles of one block of column c, the low (high = 0) or high nibbles of 32 file
+ * bytes at src, written straight into the block's lo area (no per-value decode: the first
+ * load packs billions of them): lo[v * 32 + c * 4 + i] = nib[8 v + i] | nib[8 v + 4 + i] << 4.
+ * Each 16-byte half is shuffled to [v lows | v + 1 lows | v highs | v + 1 highs] (4 bytes
+ * each), the halves' lows and highs joined, the highs shifted into the upper nibble (a 16-bit
+ * shift: every byte is below 16, so nothing crosses into its neighbour), and lane v stored at
+ * lo + 32 v. */
+static inline void w4_pack_nibbles(const uint8_t *src, int high, uint8_t *lo, int c) {
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m128i order = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+    const __m128i x0 = _mm_loadu_si128((const __m128i *)src);
+    const __m128i x1 = _mm_loadu_si128((const __m128i *)(src + 16));
+    const __m128i n0 = _mm_shuffle_epi8(
+        _mm_and_si128(high ? _mm_srli_epi16(x0, 4) : x0, nibble), order);
+    const __m128i n1 = _mm_shuffle_epi8(
+        _mm_and_si128(high ? _mm_srli_epi16(x1, 4) : x1, nibble), order);
+    const __m128i lows = _mm_unpacklo_epi64(n0, n1), highs = _mm_unpackhi_epi64(n0, n1);
+    uint32_t lanes[4];
+    _mm_storeu_si128((__m128i *)lanes, _mm_or_si128(lows, _mm_slli_epi16(highs, 4)));
+    for (int v = 0; v < 4; v++) memcpy(lo + v * 32 + c * 4, &lanes[v], 4);
+}
+
+/* The scales of one file Q4_K super-block of one row, and its nibbles written into column
+ * c's lo areas of record r. Blocks 2p and 2p + 1 are the low and high nibbles of the same 32
+ * file bytes (q4_k_value). */
 static void w4_pack_q4k(const uint8_t *b, float *d, float *dmin, uint8_t sc[8],
                         uint8_t mn[8], uint8_t *r, int c) {
     *d = f16_to_f32(b), *dmin = f16_to_f32(b + 2);
     k_scale_min(b + 4, sc, mn);
-    /* Blocks 2p and 2p + 1 are the low and high nibbles of the same 32 file bytes. With
-     * nib = those nibbles, lo[v * 32 + i] = nib[8 v + i] | nib[8 v + 4 + i] << 4: each
-     * 16-byte half is shuffled to [v lows | v + 1 lows | v highs | v + 1 highs] (4 bytes
-     * each), the halves' lows and highs joined, the highs shifted into the upper nibble (a
-     * 16-bit shift: every byte is below 16, so nothing crosses into its neighbour), and
-     * lane v stored at lo + 32 v. */
-    const __m128i nibble = _mm_set1_epi8(0x0F);
-    const __m128i order = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
-    for (int p = 0; p < 4; p++) {
-        const __m128i x0 = _mm_loadu_si128((const __m128i *)(b + 16 + 32 * p));
-        const __m128i x1 = _mm_loadu_si128((const __m128i *)(b + 32 + 32 * p));
-        for (int half = 0; half < 2; half++) {
-            const __m128i n0 = _mm_shuffle_epi8(
-                _mm_and_si128(half ? _mm_srli_epi16(x0, 4) : x0, nibble), order);
-            const __m128i n1 = _mm_shuffle_epi8(
-                _mm_and_si128(half ? _mm_srli_epi16(x1, 4) : x1, nibble), order);
-            const __m128i lows = _mm_unpacklo_epi64(n0, n1), highs = _mm_unpackhi_epi64(n0, n1);
-            uint32_t lanes[4];
-            _mm_storeu_si128((__m128i *)lanes, _mm_or_si128(lows, _mm_slli_epi16(highs, 4)));
-            uint8_t *lo = r + 192 + (2 * p + half) * 128 + c * 4;
-            for (int v = 0; v < 4; v++) memcpy(lo + v * 32, &lanes[v], 4);
-        }
+    for (int j = 0; j < 8; j++) w4_pack_nibbles(b + 16 + 32 * (j / 2), j % 2, r + 192 + j * 128, c);
+}
+
+/* One file Q6_K super-block of one row written into column c of record r: its scales, its
+ * low nibbles (block j = 4 h + q of the half h: the low (q < 2) or high nibbles of file bytes
+ * ql[64 h + 32 (q % 2) ..], q6_k_value) and its top two bits (bits 2q, 2q + 1 of qh[32 h + l]
+ * for k = l of the block), in the layout above. */
+static void w4_pack_q6k(const uint8_t *b, float *d, uint8_t *r, int c) {
+    const uint8_t *ql = b, *qh = b + 128;
+    for (int j = 0; j < 8; j++) {
+        const int h = j / 4, q = j % 4;
+        w4_pack_nibbles(ql + 64 * h + 32 * (q % 2), q / 2, r + 160 + j * 192, c);
+        uint8_t *hi = r + 288 + j * 192 + c * 4;
+        for (int u = 0; u < 2; u++)
+            for (int i = 0; i < 4; i++) {
+                const uint8_t *top = qh + 32 * h + 16 * u + i; /* k = 16 u + 4 p + i */
+                uint8_t bits = 0;
+                for (int p = 0; p < 4; p++)
+                    bits |= (uint8_t)(((top[4 * p] >> (2 * q)) & 3) << (2 * p));
+                hi[u * 32 + i] = bits;
+            }
     }
+    for (int s = 0; s < 16; s++) r[32 + s * 8 + c] = b[192 + s];
+    *d = f16_to_f32(b + 208);
 }
 
 /* Q5_K's five-bit value of element o of a block: the four low bits as Q4_K's, the fifth is
@@ -138,24 +168,6 @@ static void w4_decode_q5k(const uint8_t *b, float *d, float *dmin, uint8_t sc[8]
     *d = f16_to_f32(b), *dmin = f16_to_f32(b + 2);
     k_scale_min(b + 4, sc, mn);
     for (int o = 0; o < 256; o++) q[o] = (uint8_t)q5_k_value(b, o);
-}
-
-/* Q6_K's 256 values of one super-block (q6_k_value for every o, by file byte: each ql byte
- * holds two values 64 apart, each qh byte the high bits of four 32 apart). */
-static void w4_decode_q6k(const uint8_t *b, float *d, int8_t sc[16], uint8_t q[256]) {
-    const uint8_t *ql = b, *qh = b + 128;
-    for (int half = 0; half < 2; half++)
-        for (int l = 0; l < 32; l++) {
-            const int h = qh[32 * half + l];
-            const int a = ql[64 * half + l], e = ql[64 * half + 32 + l];
-            uint8_t *o = q + 128 * half + l;
-            o[0] = (uint8_t)((a & 0x0F) | ((h & 3) << 4));
-            o[32] = (uint8_t)((e & 0x0F) | (((h >> 2) & 3) << 4));
-            o[64] = (uint8_t)((a >> 4) | (((h >> 4) & 3) << 4));
-            o[96] = (uint8_t)((e >> 4) | (((h >> 6) & 3) << 4));
-        }
-    memcpy(sc, b + 192, 16);
-    *d = f16_to_f32(b + 208);
 }
 
 /* One file block of 32 of a b32 type: its scale d, its m (Q4_1, Q5_1; else 0) and its 32
@@ -186,8 +198,11 @@ static void w4_decode_b32(int64_t type, const uint8_t *b, float *d, float *m, ui
 /* Q4_K: the byte of k-in-block kk, column c in a block's lo area, and its nibble's shift. */
 static inline int w4_lo_at(int c, int kk) { return (kk / 8) * 32 + c * 4 + kk % 4; }
 static inline int w4_lo_shift(int kk) { return 4 * ((kk / 4) % 2); }
-/* Q6_K's byte of k-in-super-block kk, column c. */
+/* Q5_K's and the one-byte b32 types' byte of k kk, column c. */
 static inline int w4_byte_at(int c, int kk) { return (kk / 4) * 32 + c * 4 + kk % 4; }
+/* Q6_K: the byte of k-in-block kk, column c, in a block's hi area, and its two bits' shift. */
+static inline int w4_hi_at(int c, int kk) { return (kk / 16) * 32 + c * 4 + kk % 4; }
+static inline int w4_hi_shift(int kk) { return 2 * ((kk / 4) % 4); }
 
 /* raw: the file's blocks of a [n, k] tensor (rows of k / 256 super-blocks, or k / 32 blocks);
  * out: the packed layout above, or the blocks of 32's below (every byte written: each record is
@@ -235,16 +250,20 @@ LOOM_EXPORT int64_t loom_w4a8_pack(int64_t type, const uint8_t *raw, int64_t n, 
                     memcpy(r + 32 + 4 * c, &dmin, 4);
                     for (int j = 0; j < 8; j++) r[64 + j * 8 + c] = sc[j], r[128 + j * 8 + c] = mn[j];
                 } else {
-                    int8_t sc[16];
-                    w4_decode_q6k(b, &d, sc, q);
-                    for (int h = 0; h < 16; h++) r[32 + h * 8 + c] = (uint8_t)sc[h];
-                    /* w4_byte_at: 4 consecutive k of a column are 4 consecutive bytes */
-                    for (int t = 0; t < 64; t++) memcpy(r + 160 + t * 32 + c * 4, q + 4 * t, 4);
+                    w4_pack_q6k(b, &d, r, c);
                 }
                 memcpy(r + 4 * c, &d, 4);
             }
         }
     return 0;
+}
+
+/* Q6_K's six-bit value (0..63) of column c, k-in-super-block kk, of one record. */
+static inline int w4_q6k_value(const uint8_t *r, int c, int kk) {
+    const int j = kk / 32, i = kk % 32;
+    const int lo = (r[160 + j * 192 + w4_lo_at(c, i)] >> w4_lo_shift(i)) & 15;
+    const int hi = (r[288 + j * 192 + w4_hi_at(c, i)] >> w4_hi_shift(i)) & 3;
+    return lo | hi << 4;
 }
 
 /* Weight of column c (0..7), k-in-super-block kk, of one record, with the file's float
@@ -271,7 +290,7 @@ static inline float w4_weight(int64_t type, const uint8_t *r, int c, int kk) {
         return d * (float)r[64 + j * 8 + c] * (float)q - dmin * (float)r[128 + j * 8 + c];
     }
     const float ds = d * (float)(int8_t)r[32 + (2 * j + i / 16) * 8 + c];
-    return ds * (float)(r[160 + w4_byte_at(c, kk)] - 32);
+    return ds * (float)(w4_q6k_value(r, c, kk) - 32);
 }
 
 /* The float32 weight [n, k] of a packed tensor (tests, and hosts without the kernels'
@@ -340,6 +359,11 @@ static inline __m256i w4_x4(const W4Act *a, int64_t row, int64_t k, int64_t at) 
     int32_t v;
     memcpy(&v, a->xq + row * k + at, 4);
     return _mm256_set1_epi32(v);
+}
+
+/* acc + the products of two steps of 4 k (u8 weights w0, w1 by s8 activations x0, x1). */
+static inline __m256i w4_dot2(__m256i acc, __m256i w0, __m256i x0, __m256i w1, __m256i x1) {
+    return dot_u8s8(dot_u8s8(acc, w0, x0), w1, x1);
 }
 
 /* 8 bytes -> 8 floats (u8 or i8). */
@@ -512,21 +536,48 @@ static inline __attribute__((always_inline)) void w4_tile(
                     for (int c = 0; c < C; c++) iacc[r][c] = _mm256_setzero_si256();
 #endif
                 }
-                for (int t = 0; t < 8; t++) { /* steps of 4 k; 0-3 the first half */
-                    __m256i q[W4_MAXC];
+                /* Steps of 4 k, two at a time: the lo bytes of k 16 u + 8 v + (0..7) and
+                 * their top bits, bits 4 v + (0, 1) and 4 v + (2, 3) of the hi bytes of
+                 * half u, moved to bits 4 and 5. */
+                const __m256i low4 = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+#pragma GCC unroll 2
+                for (int u = 0; u < 2; u++) {
+                    __m256i h[W4_MAXC];
                     for (int c = 0; c < C; c++)
-                        q[c] = _mm256_loadu_si256(
-                            (const __m256i *)(rc[c] + 160 + j * 256 + t * 32));
-                    for (int r = 0; r < R; r++) {
-                        const __m256i x = w4_x4(a, r0 + r, k, at + 4 * t);
+                        h[c] = _mm256_loadu_si256(
+                            (const __m256i *)(rc[c] + 288 + j * 192 + u * 32));
+#pragma GCC unroll 2
+                    for (int v = 0; v < 2; v++) {
+                        __m256i q0[W4_MAXC], q1[W4_MAXC];
                         for (int c = 0; c < C; c++) {
+                            const __m256i raw = _mm256_loadu_si256(
+                                (const __m256i *)(rc[c] + 160 + j * 192 + (2 * u + v) * 32));
+                            const __m256i h0 = v ? h[c] : _mm256_slli_epi16(h[c], 4);
+                            const __m256i h1 = v ? _mm256_srli_epi16(h[c], 2)
+                                                 : _mm256_slli_epi16(h[c], 2);
+                            q0[c] = _mm256_or_si256(_mm256_and_si256(raw, low4),
+                                                    _mm256_and_si256(h0, top));
+                            q1[c] = _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4),
+                                _mm256_and_si256(h1, top));
+                        }
+                        for (int r = 0; r < R; r++) {
+                            const int64_t kx = at + 16 * u + 8 * v;
+                            const __m256i x0 = w4_x4(a, r0 + r, k, kx);
+                            const __m256i x1 = w4_x4(a, r0 + r, k, kx + 4);
+                            for (int c = 0; c < C; c++) {
 #if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
-                            if (t < 4) iacc[r][c] = dot_u8s8(iacc[r][c], q[c], x);
-                            else ihi[r][c] = dot_u8s8(ihi[r][c], q[c], x);
+                                if (u == 0)
+                                    iacc[r][c] = w4_dot2(iacc[r][c], q0[c], x0, q1[c], x1);
+                                else
+                                    ihi[r][c] = w4_dot2(ihi[r][c], q0[c], x0, q1[c], x1);
 #else
-                            iacc[r][c] = _mm256_add_epi32(iacc[r][c], _mm256_madd_epi16(
-                                _mm256_maddubs_epi16(q[c], x), scale16[c][t / 4]));
+                                iacc[r][c] = _mm256_add_epi32(iacc[r][c], _mm256_madd_epi16(
+                                    _mm256_maddubs_epi16(q0[c], x0), scale16[c][u]));
+                                iacc[r][c] = _mm256_add_epi32(iacc[r][c], _mm256_madd_epi16(
+                                    _mm256_maddubs_epi16(q1[c], x1), scale16[c][u]));
 #endif
+                            }
                         }
                     }
                 }
