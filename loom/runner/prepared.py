@@ -6,7 +6,8 @@ safetensors file under `loom_cache_dir("prepared")`, keyed by the source file's 
 (resolved path, size, modification time), the dtype, the quantization, the weight layout and
 `FORMAT`. A warm start parses nothing from the GGUF: it builds the module tree on the meta
 device (no memory, no initialisation), applies the same structural steps there, and assigns
-the stored tensors in place. Only GGUF sources are cached (a float safetensors checkpoint
+the stored tensors in place (on a CPU read into huge pages, not mapped: see
+`loom.runner.resident_tensors`). Only GGUF sources are cached (a float safetensors checkpoint
 already loads as fast as the cache would); the newest `KEEP` entries are kept.
 
 A damaged entry (truncated, unreadable, mismatching the module tree) is deleted and the model
@@ -40,6 +41,7 @@ from safetensors.torch import save_file
 from loom.cache_dir import file_identity, loom_cache_dir
 from loom.models.base import CausalLM
 from loom.models.weight_shard import Shard
+from loom.runner.resident_tensors import read_resident
 
 logger = logging.getLogger("loom")
 
@@ -146,12 +148,17 @@ def read_prepared_config(path: Path) -> tuple[dict[str, Any], dict[str, Any]] | 
 
 def load_prepared(path: Path, skeleton: Callable[[], CausalLM],
                   device: torch.device | str) -> CausalLM | None:
-    """The model `skeleton()` builds on the meta device, filled from `path`; None (and the
-    entry deleted) when the file does not match it."""
+    """The model `skeleton()` builds on the meta device, filled from `path` (on a CPU, each
+    tensor copied into memory of its own: `loom.runner.resident_tensors`); None (and the entry
+    deleted) when the file does not match it."""
     try:
-        with safe_open(str(path), framework="pt", device=str(torch.device(device))) as f:
-            aliases: dict[str, str] = json.loads((f.metadata() or {}).get("aliases", "{}"))
-            state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        if torch.device(device).type == "cpu":  # copied into huge pages (resident_tensors)
+            metadata, state = read_resident(path)
+        else:
+            with safe_open(str(path), framework="pt", device=str(torch.device(device))) as f:
+                metadata = f.metadata() or {}
+                state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        aliases: dict[str, str] = json.loads(metadata.get("aliases", "{}"))
         for alias, name in aliases.items():
             state[alias] = state[name]
         with torch.device("meta"):
