@@ -6,7 +6,8 @@ tables for every 4 KiB, and in a virtual machine each walk is two-dimensional. M
 the 2-core EPYC guest with the Qwen3-30B-A3B shape (16 of 48 layers): decode from the mapped
 file moved between 30 and 52 tok/s from one prompt to the next in one process, as the page
 walks' entries left and re-entered the caches; from the same weights in 2 MiB pages it ran
-at 51-53 tok/s on every prompt. So a warm start reads each tensor into the huge-page arena
+at 48.7-54.6 tok/s on every prompt (two processes of 12 prompts each; the speed left then
+follows the host's memory bandwidth). So a warm start reads each tensor into the huge-page arena
 (`loom.kernels.huge_pages.PACKED_WEIGHTS`; tensors under `SMALL_BYTES` into ordinary
 memory) with `preadv`, which copies from the page cache without mapping the file: no page
 faults on the source, one on each 2 MiB of the destination.
