@@ -18,7 +18,6 @@ data_offsets relative to the end of the header; "__metadata__" -> str -> str), t
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,9 @@ from pathlib import Path
 
 import torch
 
+from loom.errors import InvalidModelError
 from loom.kernels.huge_pages import PACKED_WEIGHTS
+from loom.kv_connector.codec import safetensors_header
 
 # safetensors' dtype names -> torch's.
 DTYPES: dict[str, torch.dtype] = {
@@ -42,13 +43,13 @@ READERS = 2
 
 
 def read_header(path: Path) -> tuple[dict[str, str], dict[str, dict], int]:
-    """(metadata, tensor entries, offset of the data) of a safetensors file; ValueError when
-    the header is not one."""
+    """(metadata, tensor entries, offset of the data) of a safetensors file;
+    InvalidModelError (a ValueError) when the header is truncated or not one."""
     with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        if not 2 <= size <= os.fstat(f.fileno()).st_size - 8:
-            raise ValueError(f"{path} has no safetensors header")
-        header = json.loads(f.read(size))
+        prefix = f.read(8)
+        size = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+        body = f.read(min(size, os.fstat(f.fileno()).st_size))
+    header = safetensors_header(prefix + body, InvalidModelError, f"prepared file {path}")
     metadata = header.pop("__metadata__", None) or {}
     return metadata, header, 8 + size
 
@@ -58,14 +59,14 @@ def _read_exactly(fd: int, out: memoryview, offset: int) -> None:
     while done < len(out):
         got = os.preadv(fd, [out[done:]], offset + done)
         if got <= 0:
-            raise ValueError(f"the file ends {len(out) - done} bytes before a tensor does")
+            raise InvalidModelError(f"the file ends {len(out) - done} bytes before a tensor does")
         done += got
 
 
 def read_resident(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """(metadata, name -> tensor) of a safetensors file, every tensor copied into memory of
-    its own (huge pages from SMALL_BYTES up). ValueError for a malformed or truncated
-    file."""
+    its own (huge pages from SMALL_BYTES up). InvalidModelError (a ValueError) naming the
+    problem for a malformed or truncated file."""
     metadata, entries, data_at = read_header(path)
     file_bytes = path.stat().st_size
     jobs: list[tuple[str, torch.Tensor, int]] = []
@@ -73,13 +74,13 @@ def read_resident(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     for name, entry in entries.items():
         dtype = DTYPES.get(entry["dtype"])
         if dtype is None:
-            raise ValueError(f"tensor {name!r} has dtype {entry['dtype']}, which Loom "
+            raise InvalidModelError(f"tensor {name!r} has dtype {entry['dtype']}, which Loom "
                              "does not store")
         start, end = entry["data_offsets"]
         shape = tuple(entry["shape"])
         nbytes = end - start
         if nbytes != math.prod(shape) * dtype.itemsize or data_at + end > file_bytes:
-            raise ValueError(f"tensor {name!r}: offsets {start}-{end} do not hold its "
+            raise InvalidModelError(f"tensor {name!r}: offsets {start}-{end} do not hold its "
                              f"shape {list(shape)} within the file")
         raw = (PACKED_WEIGHTS.empty((nbytes,)) if nbytes >= SMALL_BYTES
                else torch.empty(nbytes, dtype=torch.uint8))
