@@ -39,7 +39,7 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def _huge_page_mapping(nbytes: int) -> tuple[mmap.mmap, int]:
+def huge_page_mapping(nbytes: int) -> tuple[mmap.mmap, int]:
     """A private anonymous mapping advised MADV_HUGEPAGE, and the offset in it of the first
     huge page boundary, with at least `nbytes` from there to its end. Nothing is resident
     until written."""
@@ -83,12 +83,12 @@ class HugePageArena:
         if nbytes == 0:
             return torch.empty(shape, dtype=torch.uint8)
         if nbytes > min(_OWN_MAPPING_BYTES, self._chunk_bytes // 4):
-            mapping, start = _huge_page_mapping(nbytes)
+            mapping, start = huge_page_mapping(nbytes)
             return _tensor_at(mapping, start, shape)
         with self._lock:
             chunk = self._chunk() if self._chunk is not None else None
             if chunk is None or self._next + nbytes > self._end:
-                chunk, self._next = _huge_page_mapping(self._chunk_bytes)
+                chunk, self._next = huge_page_mapping(self._chunk_bytes)
                 self._end = self._next + self._chunk_bytes
                 self._chunk = weakref.ref(chunk)
             start = self._next

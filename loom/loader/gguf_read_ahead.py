@@ -1,8 +1,9 @@
 """A GGUF's tensor data read on a thread, ahead of the loader that converts it.
 
-A first load in w4a8 reads most of the file's blocks (`GGUFFile.map_tensor`) and repacks
-them (`loom.kernels.w4a8_pack`). Reading releases the GIL (the madvise or read calls), so
-on a thread it overlaps the loader's Python and its C calls.
+A first load in w4a8 reads most of the file's blocks (`loom.loader.direct_read`, or
+`GGUFFile.map_tensor`) and repacks them (`loom.kernels.w4a8_pack`). Reading releases the
+GIL (the read or madvise calls), so on a thread it overlaps the loader's Python and its C
+calls.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from loom.loader.direct_read import DirectFile, ReusedBuffers
 from loom.loader.gguf_reader import GGUFFile, GGUFTensorInfo
 
 # How far the thread may read ahead of the tensor the loader takes: the data read and not yet
@@ -30,12 +32,17 @@ class ReadAhead:
     """The data of some of a file's tensors (`planned`: their indices in `reader.tensors`,
     ascending) read one after another on a thread.
 
-    A tensor's data is its pages mapped and read in (`GGUFFile.map_tensor`: a private copy,
-    copy-on-write), or a copy read into memory (`GGUFFile.read_tensor`) where the kernel
-    cannot do that. Invariants: tensors are read in the order planned, each at most once;
-    the loader goes through the file in order, taking a tensor's data (`take`) or passing
-    it (`done`); data passed is dropped, unread or as soon as its read ends. With
-    `drop_cached`, a tensor's pages leave the page cache once nothing refers to its data.
+    A tensor's data, where the load reads the file from the disk (`drop_cached`), is read
+    past the page cache into a buffer used again once the data is dropped
+    (`loom.loader.direct_read`: the disk's speed, no memory fresh to the guest a tensor);
+    otherwise, or where the file system refuses that, its pages mapped and read in
+    (`GGUFFile.map_tensor`: a private copy, copy-on-write), or a copy read into memory
+    (`GGUFFile.read_tensor`) where the kernel cannot do that either.
+
+    Invariants: tensors are read in the order planned, each at most once; the loader goes
+    through the file in order, taking a tensor's data (`take`) or passing it (`done`); data
+    passed is dropped, unread or as soon as its read ends. With `drop_cached`, a mapped
+    tensor's pages leave the page cache once nothing refers to its data.
 
         planned:  [ taken or passed | queued (mapped)  | asked of the disk |  later  ]
                                     ^ _queued[0]       ^ _next             ^ _asked
@@ -44,6 +51,12 @@ class ReadAhead:
     def __init__(self, reader: GGUFFile, planned: Iterable[int],
                  ahead_bytes: int = AHEAD_BYTES, drop_cached: bool = False) -> None:
         self._reader, self._ahead_bytes, self._drop_cached = reader, ahead_bytes, drop_cached
+        # A file read from the disk is read past the page cache where the kernel allows.
+        # The buffers in use are the window ahead plus the data the loader still holds
+        # (packs queued on workers); up to twice the window of them is kept free.
+        self._buffers = ReusedBuffers(2 * ahead_bytes) if drop_cached else None
+        self._direct = DirectFile.open(reader.path, self._buffers) \
+            if self._buffers is not None else None
         self._planned = list(planned)
         self._next = self._asked = 0  # cursors into _planned, _next <= _asked
         self._asked_bytes = 0  # of _planned[_next:_asked]
@@ -76,7 +89,8 @@ class ReadAhead:
             info = self._reader.tensors[index]
             self._queued.append((index, self._pool.submit(self._read, info)))
             self._queued_bytes += info.nbytes
-        while self._asked < len(self._planned) and (
+        # (A direct read fills no page cache: asking the disk ahead would read it twice.)
+        while self._direct is None and self._asked < len(self._planned) and (
                 self._asked_bytes + self._nbytes(self._planned[self._asked]) <= PREFETCH_BYTES):
             index = self._planned[self._asked]
             self._asker.submit(self._reader.prefetch, self._reader.tensors[index])
@@ -95,9 +109,13 @@ class ReadAhead:
         return self._read(info)
 
     def _read(self, info: GGUFTensorInfo) -> np.ndarray:
-        """The tensor's pages mapped and read in, or (a kernel without that) a copy. The
-        disk is asked for all of them at once first: page faults alone read 128 KiB at a
-        time (measured: 6.6 GB in 5.3 s against 3.3 s)."""
+        """The tensor read directly, or its pages mapped and read in, or (a kernel without
+        either) a copy. Before mapping, the disk is asked for all of its pages at once: page
+        faults alone read 128 KiB at a time (measured: 6.6 GB in 5.3 s against 3.3 s)."""
+        if self._direct is not None:
+            data = self._direct.read(info.offset, info.nbytes)
+            if data is not None:
+                return self._reader.shaped(info, data)
         self._reader.prefetch(info)
         data = self._reader.map_tensor(info, drop_when_unmapped=self._drop_cached)
         if data is None:
@@ -122,3 +140,5 @@ class ReadAhead:
         self._queued.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._asker.shutdown(wait=False, cancel_futures=True)
+        if self._buffers is not None:
+            self._buffers.close()

@@ -263,7 +263,7 @@ class GGUFFile:
         if mapped is None:
             return None
         mapping, start = mapped
-        return self._shaped(info, np.frombuffer(mapping, np.uint8, info.nbytes, start))
+        return self.shaped(info, np.frombuffer(mapping, np.uint8, info.nbytes, start))
 
     def drop_cached(self, info: GGUFTensorInfo) -> None:
         """Drop a tensor's pages from the page cache where nothing maps them."""
@@ -284,10 +284,10 @@ class GGUFFile:
                     raise InvalidModelError(
                         f"{self.path}: tensor {info.name!r} ends past the end of the file")
                 done += got
-        return self._shaped(info, out)
+        return self.shaped(info, out)
 
     @staticmethod
-    def _shaped(info: GGUFTensorInfo, data: np.ndarray) -> np.ndarray:
+    def shaped(info: GGUFTensorInfo, data: np.ndarray) -> np.ndarray:
         """A tensor's bytes viewed in `tensor_data`'s layout."""
         if info.qtype in _PLAIN_TENSORS:
             return data.view(np.dtype(_PLAIN_TENSORS[info.qtype])).reshape(info.shape)
