@@ -1,9 +1,11 @@
 """A file's pages in the page cache: mapped and read in at once, dropped once done with.
 
 A first load of a quantised GGUF reads most of the file once and never again (a warm start
-reads the prepared weights). Its blocks are used straight from the page cache through a
-private mapping of each tensor (`FilePages.map_populated`): no copy, and none of the fresh memory a
-copy would be written into, which on a virtual machine costs as much as the copy's data
+reads the prepared weights). A file on the disk is read past the page cache
+(`loom.loader.direct_read`); one already in the page cache, or on a file system without
+O_DIRECT, has its blocks used straight from the page cache through a private mapping of
+each tensor (`FilePages.map_populated`): no copy, and none of the fresh memory a copy would
+be written into, which on a virtual machine costs as much as the copy's data
 twice over (every page a guest writes for the first time faults in the hypervisor too:
 measured on a 2-core EPYC guest, 0.8 s a GB). The pages are read in by one call
 (MADV_POPULATE_READ, Linux 5.14+), where touching a fresh mapping takes a fault every 4 KiB.
