@@ -122,6 +122,22 @@ static inline void w4_pack_nibbles(const uint8_t *src, int high, uint8_t *lo, in
     for (int v = 0; v < 4; v++) memcpy(lo + v * 32 + c * 4, &lanes[v], 4);
 }
 
+/* The 32 values of one file block of 32 stored as nibbles (Q4_0, Q4_1, MXFP4: byte j holds
+ * value j in its low nibble and value 16 + j in its high one), the 16 bytes at src, written
+ * straight into column c of the block's lo area as w4_pack_nibbles writes: the low nibbles
+ * are values 0..15 and the high ones 16..31, so each plays the part of one 16-byte half. */
+static inline void w4_pack_nibbles16(const uint8_t *src, uint8_t *lo, int c) {
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m128i order = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
+    const __m128i x = _mm_loadu_si128((const __m128i *)src);
+    const __m128i n0 = _mm_shuffle_epi8(_mm_and_si128(x, nibble), order);
+    const __m128i n1 = _mm_shuffle_epi8(_mm_and_si128(_mm_srli_epi16(x, 4), nibble), order);
+    const __m128i lows = _mm_unpacklo_epi64(n0, n1), highs = _mm_unpackhi_epi64(n0, n1);
+    uint32_t lanes[4];
+    _mm_storeu_si128((__m128i *)lanes, _mm_or_si128(lows, _mm_slli_epi16(highs, 4)));
+    for (int v = 0; v < 4; v++) memcpy(lo + v * 32 + c * 4, &lanes[v], 4);
+}
+
 /* The scales of one file Q4_K super-block of one row, and its nibbles written into column
  * c's lo areas of record r. Blocks 2p and 2p + 1 are the low and high nibbles of the same 32
  * file bytes (q4_k_value). */
@@ -142,14 +158,18 @@ static void w4_pack_q6k(const uint8_t *b, float *d, uint8_t *r, int c) {
         const int h = j / 4, q = j % 4;
         w4_pack_nibbles(ql + 64 * h + 32 * (q % 2), q / 2, r + 160 + j * 192, c);
         uint8_t *hi = r + 288 + j * 192 + c * 4;
-        for (int u = 0; u < 2; u++)
-            for (int i = 0; i < 4; i++) {
-                const uint8_t *top = qh + 32 * h + 16 * u + i; /* k = 16 u + 4 p + i */
-                uint8_t bits = 0;
-                for (int p = 0; p < 4; p++)
-                    bits |= (uint8_t)(((top[4 * p] >> (2 * q)) & 3) << (2 * p));
-                hi[u * 32 + i] = bits;
+        for (int u = 0; u < 2; u++) {
+            /* Byte i of word p is qh[32 h + 16 u + 4 p + i] (k = 16 u + 4 p + i); its bits
+             * 2q, 2q + 1 go to bits 2p, 2p + 1 of hi[u * 32 + i], four bytes at a time (the
+             * mask keeps each byte's own two bits after the shift, as 2q + 1 < 8). */
+            uint32_t bits = 0;
+            for (int p = 0; p < 4; p++) {
+                uint32_t word;
+                memcpy(&word, qh + 32 * h + 16 * u + 4 * p, 4);
+                bits |= ((word >> (2 * q)) & 0x03030303u) << (2 * p);
             }
+            memcpy(hi + u * 32, &bits, 4);
+        }
     }
     for (int s = 0; s < 16; s++) r[32 + s * 8 + c] = b[192 + s];
     *d = f16_to_f32(b + 208);
@@ -227,7 +247,24 @@ LOOM_EXPORT int64_t loom_w4a8_pack(int64_t type, const uint8_t *raw, int64_t n, 
                 const uint8_t *b = raw + ((g * COLS + c) * nsb + s) * src_bytes;
                 uint8_t q[256];
                 float d;
-                if (w4_is_b32(type)) {
+                if (w4_is_b32(type) && w4_b32_nibbles(type)) { /* codes kept as they are */
+                    const int has_m = w4_b32_has_m(type);
+                    d = type == W4_MXFP4 ? e8m0_half(b[0]) : f16_to_f32(b);
+                    if (has_m) {
+                        const float m = f16_to_f32(b + 2);
+                        memcpy(r + 32 + 4 * c, &m, 4);
+                    }
+                    w4_pack_nibbles16(b + (type == W4_MXFP4 ? 1 : 2 + 2 * has_m),
+                                      r + w4_b32_q_at(type), c);
+                } else if (type == W4_Q8_0) { /* int8 + 128: the top bit flipped, 4 at once */
+                    d = f16_to_f32(b);
+                    for (int t = 0; t < 8; t++) {
+                        uint32_t word;
+                        memcpy(&word, b + 2 + 4 * t, 4);
+                        word ^= 0x80808080u;
+                        memcpy(r + w4_b32_q_at(type) + w4_byte_at(c, 4 * t), &word, 4);
+                    }
+                } else if (w4_is_b32(type)) {
                     float m;
                     w4_decode_b32(type, b, &d, &m, q);
                     if (w4_b32_has_m(type)) memcpy(r + 32 + 4 * c, &m, 4);
