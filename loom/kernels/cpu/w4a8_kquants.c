@@ -138,6 +138,32 @@ static inline void w4_pack_nibbles16(const uint8_t *src, uint8_t *lo, int c) {
     for (int v = 0; v < 4; v++) memcpy(lo + v * 32 + c * 4, &lanes[v], 4);
 }
 
+/* The 32 five-bit values of one file Q5_0 or Q5_1 block (qh: bit j the fifth bit of value j;
+ * byte j of qs: value j in its low nibble, 16 + j in its high one) written into column c of
+ * a one-byte-a-value block area (values 4t..4t + 3 at byte t * 32 + c * 4): each fifth bit is spread to its byte by a
+ * shuffle of qh's bytes and a compare with the bit's mask. */
+static inline void w4_pack_q5_block(const uint8_t *qs, uint32_t qh, uint8_t *q_area, int c) {
+    const __m128i nibble = _mm_set1_epi8(0x0F), fifth = _mm_set1_epi8(0x10);
+    const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+    const __m128i bits = _mm_cvtsi32_si128((int)qh);
+    const __m128i x = _mm_loadu_si128((const __m128i *)qs);
+    const __m128i nibbles[2] = {_mm_and_si128(x, nibble),
+                                _mm_and_si128(_mm_srli_epi16(x, 4), nibble)};
+    for (int half = 0; half < 2; half++) { /* values 16 half .. 16 half + 15 */
+        const __m128i spread = _mm_shuffle_epi8(bits, _mm_setr_epi8(
+            (char)(2 * half), (char)(2 * half), (char)(2 * half), (char)(2 * half),
+            (char)(2 * half), (char)(2 * half), (char)(2 * half), (char)(2 * half),
+            (char)(2 * half + 1), (char)(2 * half + 1), (char)(2 * half + 1),
+            (char)(2 * half + 1), (char)(2 * half + 1), (char)(2 * half + 1),
+            (char)(2 * half + 1), (char)(2 * half + 1)));
+        const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit);
+        uint32_t words[4];
+        _mm_storeu_si128((__m128i *)words,
+                         _mm_or_si128(nibbles[half], _mm_and_si128(set, fifth)));
+        for (int t = 0; t < 4; t++) memcpy(q_area + (4 * half + t) * 32 + c * 4, &words[t], 4);
+    }
+}
+
 /* The scales of one file Q4_K super-block of one row, and its nibbles written into column
  * c's lo areas of record r. Blocks 2p and 2p + 1 are the low and high nibbles of the same 32
  * file bytes (q4_k_value). */
@@ -190,31 +216,6 @@ static void w4_decode_q5k(const uint8_t *b, float *d, float *dmin, uint8_t sc[8]
     for (int o = 0; o < 256; o++) q[o] = (uint8_t)q5_k_value(b, o);
 }
 
-/* One file block of 32 of a b32 type: its scale d, its m (Q4_1, Q5_1; else 0) and its 32
- * values as stored in a record (Q8_0's int8 value + 128, MXFP4's codes, the others as the
- * file has them). */
-static void w4_decode_b32(int64_t type, const uint8_t *b, float *d, float *m, uint8_t q[32]) {
-    if (type == W4_MXFP4) { /* e | 16 bytes of codes, values j and 16 + j in byte j */
-        *d = e8m0_half(b[0]), *m = 0.0f;
-        for (int j = 0; j < 16; j++) q[j] = b[1 + j] & 0x0F, q[16 + j] = b[1 + j] >> 4;
-        return;
-    }
-    *d = f16_to_f32(b);
-    *m = w4_b32_has_m(type) ? f16_to_f32(b + 2) : 0.0f;
-    if (type == W4_Q8_0) {
-        for (int j = 0; j < 32; j++) q[j] = (uint8_t)((int)(int8_t)b[2 + j] + 128);
-        return;
-    }
-    const int has_m = w4_b32_has_m(type), five = !w4_b32_nibbles(type);
-    const uint8_t *qs = b + 2 + 2 * has_m + 4 * five;
-    uint32_t qh = 0;
-    if (five) memcpy(&qh, b + 2 + 2 * has_m, 4); /* bit j: the fifth bit of value j */
-    for (int j = 0; j < 16; j++) {
-        q[j] = (uint8_t)((qs[j] & 0x0F) | (((qh >> j) & 1) << 4));
-        q[16 + j] = (uint8_t)((qs[j] >> 4) | (((qh >> (16 + j)) & 1) << 4));
-    }
-}
-
 /* Q4_K: the byte of k-in-block kk, column c in a block's lo area, and its nibble's shift. */
 static inline int w4_lo_at(int c, int kk) { return (kk / 8) * 32 + c * 4 + kk % 4; }
 static inline int w4_lo_shift(int kk) { return 4 * ((kk / 4) % 2); }
@@ -264,17 +265,16 @@ LOOM_EXPORT int64_t loom_w4a8_pack(int64_t type, const uint8_t *raw, int64_t n, 
                         word ^= 0x80808080u;
                         memcpy(r + w4_b32_q_at(type) + w4_byte_at(c, 4 * t), &word, 4);
                     }
-                } else if (w4_is_b32(type)) {
-                    float m;
-                    w4_decode_b32(type, b, &d, &m, q);
-                    if (w4_b32_has_m(type)) memcpy(r + 32 + 4 * c, &m, 4);
-                    const int64_t at = w4_b32_q_at(type);
-                    for (int kk = 0; kk < 32; kk++) {
-                        if (w4_b32_nibbles(type))
-                            r[at + w4_lo_at(c, kk)] |= (uint8_t)(q[kk] << w4_lo_shift(kk));
-                        else
-                            r[at + w4_byte_at(c, kk)] = q[kk];
+                } else if (type == W4_Q5_0 || type == W4_Q5_1) {
+                    const int has_m = w4_b32_has_m(type);
+                    d = f16_to_f32(b);
+                    if (has_m) {
+                        const float m = f16_to_f32(b + 2);
+                        memcpy(r + 32 + 4 * c, &m, 4);
                     }
+                    uint32_t qh;
+                    memcpy(&qh, b + 2 + 2 * has_m, 4);
+                    w4_pack_q5_block(b + 6 + 2 * has_m, qh, r + w4_b32_q_at(type), c);
                 } else if (w4_has_mins(type)) {
                     uint8_t sc[8], mn[8];
                     float dmin;
