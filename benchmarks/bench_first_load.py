@@ -140,7 +140,11 @@ def main() -> None:
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR,
                         help="where the temporary prepared caches are made")
     args = parser.parse_args()
-    result = c.header(NAME, args, rounds=args.rounds, files={})
+    if args.doc_only:
+        return c.rerender(NAME, TITLE, render)
+    args.model = ", ".join(path.name for path in args.gguf)  # what the doc's head names
+    result = c.header(NAME, args, rounds=args.rounds, files={},
+                      dtype="auto (the default mode)", sizes_note="the files named")
     for path in args.gguf:
         c.log(f"== {path.name}")
         result["files"][path.name] = measure_file(path, args.rounds, args.cache_dir)
