@@ -164,3 +164,20 @@ def test_a_model_read_past_the_page_cache_equals_one_read_through_it(tmp_path, m
         assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
         assert got[name].view(-1).view(torch.uint8).equal(tensor.view(-1).view(torch.uint8)), \
             name
+
+
+def test_a_refused_direct_read_falls_back_to_the_page_cache(tmp_path, monkeypatch):
+    """A transfer the kernel refuses (or a file that ends early) is read through the page
+    cache instead, with the same bytes."""
+    path = write_tiny_moe(tmp_path / "moe.gguf", "qwen3moe", MOE_KQUANTS)
+    monkeypatch.setattr(DirectFile, "read", lambda self, offset, nbytes: None)
+    reader = GGUFFile(path)
+    planned = [at for at, info in enumerate(reader.tensors) if info.as_bytes]
+    ahead = ReadAhead(reader, planned, drop_cached=True)
+    try:
+        for at in planned:
+            info = reader.tensors[at]
+            assert np.array_equal(ahead.take(at), reader.tensor_data(info)), info.name
+            ahead.done(at)
+    finally:
+        ahead.close()
