@@ -100,48 +100,45 @@ static inline int64_t w4_record_k(int64_t type) { return w4_is_b32(type) ? QBLOC
  * same float arithmetic; their q differ in width and packing. */
 static inline int w4_has_mins(int64_t type) { return type == W4_Q4K || type == W4_Q5K; }
 
-/* The 32 nibbles of one block of column c, the low (high = 0) or high nibbles of 32 file
- * bytes at src, written straight into the block's lo area (no per-value decode: the first
- * load packs billions of them): lo[v * 32 + c * 4 + i] = nib[8 v + i] | nib[8 v + 4 + i] << 4.
- * Each 16-byte half is shuffled to [v lows | v + 1 lows | v highs | v + 1 highs] (4 bytes
- * each), the halves' lows and highs joined, the highs shifted into the upper nibble (a 16-bit
- * shift: every byte is below 16, so nothing crosses into its neighbour), and lane v stored at
- * lo + 32 v. */
-static inline void w4_pack_nibbles(const uint8_t *src, int high, uint8_t *lo, int c) {
-    const __m128i nibble = _mm_set1_epi8(0x0F);
+/* 32 nibbles (each below 16, one to a byte: nib[0..15] in `first`, nib[16..31] in `second`)
+ * of one block of column c written into the block's lo area: lo[v * 32 + c * 4 + i] =
+ * nib[8 v + i] | nib[8 v + 4 + i] << 4. Each 16-byte half is shuffled to [v lows | v + 1 lows
+ * | v highs | v + 1 highs] (4 bytes each), the halves' lows and highs joined, the highs
+ * shifted into the upper nibble (a 16-bit shift: every byte is below 16, so nothing crosses
+ * into its neighbour), and lane v stored at lo + 32 v. */
+static inline void w4_store_nibbles(__m128i first, __m128i second, uint8_t *lo, int c) {
     const __m128i order = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
-    const __m128i x0 = _mm_loadu_si128((const __m128i *)src);
-    const __m128i x1 = _mm_loadu_si128((const __m128i *)(src + 16));
-    const __m128i n0 = _mm_shuffle_epi8(
-        _mm_and_si128(high ? _mm_srli_epi16(x0, 4) : x0, nibble), order);
-    const __m128i n1 = _mm_shuffle_epi8(
-        _mm_and_si128(high ? _mm_srli_epi16(x1, 4) : x1, nibble), order);
+    const __m128i n0 = _mm_shuffle_epi8(first, order), n1 = _mm_shuffle_epi8(second, order);
     const __m128i lows = _mm_unpacklo_epi64(n0, n1), highs = _mm_unpackhi_epi64(n0, n1);
     uint32_t lanes[4];
     _mm_storeu_si128((__m128i *)lanes, _mm_or_si128(lows, _mm_slli_epi16(highs, 4)));
     for (int v = 0; v < 4; v++) memcpy(lo + v * 32 + c * 4, &lanes[v], 4);
 }
 
+/* The low (high = 0) or high nibbles of 32 file bytes at src as one block of column c (no
+ * per-value decode: the first load packs billions of them). */
+static inline void w4_pack_nibbles(const uint8_t *src, int high, uint8_t *lo, int c) {
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m128i x0 = _mm_loadu_si128((const __m128i *)src);
+    const __m128i x1 = _mm_loadu_si128((const __m128i *)(src + 16));
+    w4_store_nibbles(_mm_and_si128(high ? _mm_srli_epi16(x0, 4) : x0, nibble),
+                     _mm_and_si128(high ? _mm_srli_epi16(x1, 4) : x1, nibble), lo, c);
+}
+
 /* The 32 values of one file block of 32 stored as nibbles (Q4_0, Q4_1, MXFP4: byte j holds
- * value j in its low nibble and value 16 + j in its high one), the 16 bytes at src, written
- * straight into column c of the block's lo area as w4_pack_nibbles writes: the low nibbles
- * are values 0..15 and the high ones 16..31, so each plays the part of one 16-byte half. */
+ * value j in its low nibble and value 16 + j in its high one), the 16 bytes at src, as one
+ * block of column c. */
 static inline void w4_pack_nibbles16(const uint8_t *src, uint8_t *lo, int c) {
     const __m128i nibble = _mm_set1_epi8(0x0F);
-    const __m128i order = _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15);
     const __m128i x = _mm_loadu_si128((const __m128i *)src);
-    const __m128i n0 = _mm_shuffle_epi8(_mm_and_si128(x, nibble), order);
-    const __m128i n1 = _mm_shuffle_epi8(_mm_and_si128(_mm_srli_epi16(x, 4), nibble), order);
-    const __m128i lows = _mm_unpacklo_epi64(n0, n1), highs = _mm_unpackhi_epi64(n0, n1);
-    uint32_t lanes[4];
-    _mm_storeu_si128((__m128i *)lanes, _mm_or_si128(lows, _mm_slli_epi16(highs, 4)));
-    for (int v = 0; v < 4; v++) memcpy(lo + v * 32 + c * 4, &lanes[v], 4);
+    w4_store_nibbles(_mm_and_si128(x, nibble), _mm_and_si128(_mm_srli_epi16(x, 4), nibble),
+                     lo, c);
 }
 
 /* The 32 five-bit values of one file Q5_0 or Q5_1 block (qh: bit j the fifth bit of value j;
  * byte j of qs: value j in its low nibble, 16 + j in its high one) written into column c of
- * a one-byte-a-value block area (values 4t..4t + 3 at byte t * 32 + c * 4): each fifth bit is spread to its byte by a
- * shuffle of qh's bytes and a compare with the bit's mask. */
+ * a one-byte-a-value block area (values 4 t .. 4 t + 3 at byte t * 32 + c * 4): each fifth
+ * bit is spread to its byte by a shuffle of qh's bytes and a compare with the bit's mask. */
 static inline void w4_pack_q5_block(const uint8_t *qs, uint32_t qh, uint8_t *q_area, int c) {
     const __m128i nibble = _mm_set1_epi8(0x0F), fifth = _mm_set1_epi8(0x10);
     const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
@@ -243,44 +240,39 @@ LOOM_EXPORT int64_t loom_w4a8_pack(int64_t type, const uint8_t *raw, int64_t n, 
     for (int64_t g = 0; g < groups; g++)
         for (int64_t s = 0; s < nsb; s++) {
             uint8_t *r = out + (g * nsb + s) * rec;
-            memset(r, 0, (size_t)rec); /* nibbles are OR-ed in; padding columns stay 0 */
+            memset(r, 0, (size_t)rec); /* the columns past n stay 0 (the others are stored) */
             for (int c = 0; c < COLS && g * COLS + c < n; c++) {
                 const uint8_t *b = raw + ((g * COLS + c) * nsb + s) * src_bytes;
-                uint8_t q[256];
                 float d;
-                if (w4_is_b32(type) && w4_b32_nibbles(type)) { /* codes kept as they are */
+                if (w4_is_b32(type)) {
                     const int has_m = w4_b32_has_m(type);
+                    uint8_t *q_area = r + w4_b32_q_at(type);
                     d = type == W4_MXFP4 ? e8m0_half(b[0]) : f16_to_f32(b);
                     if (has_m) {
                         const float m = f16_to_f32(b + 2);
                         memcpy(r + 32 + 4 * c, &m, 4);
                     }
-                    w4_pack_nibbles16(b + (type == W4_MXFP4 ? 1 : 2 + 2 * has_m),
-                                      r + w4_b32_q_at(type), c);
-                } else if (type == W4_Q8_0) { /* int8 + 128: the top bit flipped, 4 at once */
-                    d = f16_to_f32(b);
-                    for (int t = 0; t < 8; t++) {
-                        uint32_t word;
-                        memcpy(&word, b + 2 + 4 * t, 4);
-                        word ^= 0x80808080u;
-                        memcpy(r + w4_b32_q_at(type) + w4_byte_at(c, 4 * t), &word, 4);
+                    if (w4_b32_nibbles(type)) { /* the codes as they are */
+                        w4_pack_nibbles16(b + (type == W4_MXFP4 ? 1 : 2 + 2 * has_m), q_area, c);
+                    } else if (type == W4_Q8_0) { /* int8 + 128: the top bit flipped */
+                        for (int t = 0; t < 8; t++) {
+                            uint32_t word;
+                            memcpy(&word, b + 2 + 4 * t, 4);
+                            word ^= 0x80808080u;
+                            memcpy(q_area + w4_byte_at(c, 4 * t), &word, 4);
+                        }
+                    } else { /* Q5_0, Q5_1 */
+                        uint32_t qh;
+                        memcpy(&qh, b + 2 + 2 * has_m, 4);
+                        w4_pack_q5_block(b + 6 + 2 * has_m, qh, q_area, c);
                     }
-                } else if (type == W4_Q5_0 || type == W4_Q5_1) {
-                    const int has_m = w4_b32_has_m(type);
-                    d = f16_to_f32(b);
-                    if (has_m) {
-                        const float m = f16_to_f32(b + 2);
-                        memcpy(r + 32 + 4 * c, &m, 4);
-                    }
-                    uint32_t qh;
-                    memcpy(&qh, b + 2 + 2 * has_m, 4);
-                    w4_pack_q5_block(b + 6 + 2 * has_m, qh, r + w4_b32_q_at(type), c);
                 } else if (w4_has_mins(type)) {
                     uint8_t sc[8], mn[8];
                     float dmin;
                     if (type == W4_Q4K) {
                         w4_pack_q4k(b, &d, &dmin, sc, mn, r, c);
                     } else {
+                        uint8_t q[256];
                         w4_decode_q5k(b, &d, &dmin, sc, mn, q);
                         for (int t = 0; t < 64; t++) memcpy(r + 192 + t * 32 + c * 4, q + 4 * t, 4);
                     }
