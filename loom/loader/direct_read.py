@@ -112,11 +112,11 @@ class DirectFile:
         buffer; None where the file ends first or the kernel refuses the transfer (the
         caller reads it another way)."""
         first = offset - offset % _ALIGN
-        length = _round_up(offset + nbytes - first, _ALIGN)
-        buffer = self._buffers.lease(length)
+        wanted = offset + nbytes - first  # from `first` to the last byte asked for
+        buffer = self._buffers.lease(_round_up(wanted, _ALIGN))
         done = 0
         try:
-            while done < offset + nbytes - first:
+            while done < wanted:
                 got = os.preadv(self._fd, [buffer[done:]], first + done)
                 if got <= 0:
                     return None
@@ -125,6 +125,4 @@ class DirectFile:
                     break
         except OSError:
             return None
-        if done < offset + nbytes - first:
-            return None
-        return buffer[offset - first:offset - first + nbytes]
+        return buffer[offset - first:wanted] if done >= wanted else None
