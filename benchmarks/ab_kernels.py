@@ -98,20 +98,25 @@ def attention_case(args: argparse.Namespace) -> tuple[Callable[[Any, int], torch
 
 def w4a8_case(args: argparse.Namespace) -> tuple[Callable[[Any, int], torch.Tensor], int,
                                                      float]:
-    """`--rows` rows times a random [n, k] Q4_K (12) or Q6_K (14) matrix, packed for w4a8 by
-    each build itself (a layout change packs differently; a K-quant record is at most 2,240
-    bytes). The bytes per call are this checkout's layout's."""
+    """`--rows` rows times a random [n, k] matrix of GGUF type `--type` (Q4_K 12, Q6_K 14,
+    Q4_0 2, Q8_0 8, MXFP4 39), packed for w4a8 by each build itself (a layout change packs
+    differently; a record is at most 320 bytes a block of 32 k). The bytes per call are this
+    checkout's layout's."""
     n, k, type_id, m = args.n, args.k, args.type, args.rows
     g = torch.Generator().manual_seed(0)
-    block_bytes = {12: 144, 14: 210}[type_id]
+    # block bytes, values a block, where its float16 scales lie (MXFP4: an E8M0 byte)
+    block_bytes, values, scales = {12: (144, 256, (0, 2)), 14: (210, 256, (208,)),
+                                   2: (18, 32, (0,)), 8: (34, 32, (0,)),
+                                   39: (17, 32, ())}[type_id]
     copies = max(1, 200_000_000 // (n * k))
     raws = []
     for _ in range(copies):
-        raw = torch.randint(0, 256, (n * k // 256, block_bytes), dtype=torch.uint8, generator=g)
-        if type_id == 12:  # d, dmin: small normal float16 values (no NaN or subnormal)
-            raw[:, 0:4] = torch.tensor([0, 0x1C, 0, 0x1C], dtype=torch.uint8)
-        else:
-            raw[:, 208:210] = torch.tensor([0, 0x1C], dtype=torch.uint8)
+        raw = torch.randint(0, 256, (n * k // values, block_bytes), dtype=torch.uint8,
+                            generator=g)
+        for at in scales:  # small normal float16 values (no NaN or subnormal)
+            raw[:, at:at + 2] = torch.tensor([0, 0x1C], dtype=torch.uint8)
+        if type_id == 39:
+            raw[:, 0] = 120  # E8M0 2^-8
         raws.append(raw.reshape(-1))
     x = torch.randn(m, k, generator=g)
     y = torch.empty(m, n)
@@ -122,7 +127,7 @@ def w4a8_case(args: argparse.Namespace) -> tuple[Callable[[Any, int], torch.Tens
         if id(lib) not in packed:
             packed[id(lib)] = []
             for raw in raws:
-                out = torch.empty(-(-n // 8) * (k // 256) * 2240, dtype=torch.uint8)
+                out = torch.empty(-(-n // 8) * (k // 32) * 320, dtype=torch.uint8)
                 if lib.loom_w4a8_pack(type_id, raw.data_ptr(), n, k, out.data_ptr()) != 0:
                     raise ValueError(f"the build cannot pack type {type_id}")
                 packed[id(lib)].append((out, (ctypes.c_void_p * 1)(out.data_ptr())))
@@ -207,7 +212,7 @@ def main() -> None:
     w4a8.add_argument("--rows", type=int, default=1)
     w4a8.add_argument("--n", type=int, default=16384)
     w4a8.add_argument("--k", type=int, default=2048)
-    w4a8.add_argument("--type", type=int, default=12, choices=[12, 14])
+    w4a8.add_argument("--type", type=int, default=12, choices=[12, 14, 2, 8, 39])
     w8a8 = sub.add_parser("w8a8", help="a w8a8 linear layer")
     w8a8.add_argument("--rows", type=int, default=1)
     w8a8.add_argument("--n", type=int, default=16384)

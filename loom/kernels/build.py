@@ -114,6 +114,7 @@ SIGNATURES: dict[str, list[type]] = {
     "loom_apply_token_bitmask": [_ptr, _i64, _ptr, _i64, _ptr, _i64],
     "loom_dequantize": [_i64, _ptr, _i64, _ptr],
     "loom_w4a8_pack": [_i64, _ptr, _i64, _i64, _ptr],
+    "loom_w4a8_record_bytes": [_i64],
     "loom_w4a8_dequantize": [_i64, _ptr, _i64, _i64, _ptr],
     "loom_w4a8_rows": [_i64, _ptr, _i64, _i64, _ptr, _i64, _ptr],
     "loom_linear_w4a8": [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr],
@@ -126,6 +127,7 @@ SIGNATURES: dict[str, list[type]] = {
 RESTYPES: dict[str, type] = {"loom_kernel_variant": ctypes.c_char_p,
                               "loom_dequantize": ctypes.c_int64,
                               "loom_w4a8_pack": ctypes.c_int64,
+                              "loom_w4a8_record_bytes": ctypes.c_int64,
                               "loom_w4a8_dequantize": ctypes.c_int64,
                               "loom_w4a8_rows": ctypes.c_int64}
 

@@ -276,8 +276,8 @@ def dequantize_gguf_blocks(raw: np.ndarray, type_id: int, out: torch.Tensor) -> 
 # (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: whole files of those types, and the K-quants' fallback where
 # a matrix's rows are not whole super-blocks) in records of one block.
 W4A8_TYPES: dict[int, tuple[int, int]] = {
-    12: (1216, 256), 13: (2240, 256), 14: (1696, 256),
-    2: (160, 32), 3: (192, 32), 6: (288, 32), 7: (320, 32), 8: (288, 32), 39: (160, 32),
+    12: (1184, 256), 13: (2208, 256), 14: (1680, 256),
+    2: (144, 32), 3: (160, 32), 6: (272, 32), 7: (288, 32), 8: (272, 32), 39: (144, 32),
 }
 W4A8_GROUP = 8
 W4A8_MAX_SEGMENTS = 4  # W4_MAX_SEGMENTS in cpu/w4a8_kquants.c

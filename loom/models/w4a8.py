@@ -6,9 +6,10 @@ a Q5_K_M file most as Q5_K (5.5 bits); where a matrix's rows are not whole super
 older files are Q4_0, Q4_1 or Q8_0 throughout.
 The w8a8 mode dequantises them and quantises again to 8 bits per weight, so decode reads
 almost twice a Q4_K file's bytes. Here a layer keeps the file's integers and scales, repacked
-once for the kernel (`loom.kernels.w4a8_pack`: groups of 8 output columns; 4.75 bits a
-weight for Q4_K, 5 for Q4_0, 6 for Q4_1; 8.6-10 for Q5_K, Q6_K, Q5_0, Q5_1 and Q8_0, whose
-values are kept one byte each), and every
+once for the kernel (`loom.kernels.w4a8_pack`: groups of 8 output columns, the scales in
+16 bits as the file holds them; 4.625 bits a weight for Q4_K, 4.5 for Q4_0 and MXFP4, 5 for
+Q4_1, 6.56 for Q6_K (the file's own), 8.5-9 for Q5_K, Q5_0, Q5_1 and Q8_0, whose values are
+kept one byte each), and every
 call, a decode row or a prefill chunk of thousands, runs one arithmetic
 (`loom_linear_w4a8` in kernels/cpu/w4a8_kquants.c): activations rounded to int8 per
 block of 32 as w8a8 rounds them, each block's products summed exactly in integers, the

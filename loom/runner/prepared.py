@@ -46,7 +46,7 @@ from loom.runner.resident_tensors import read_resident
 logger = logging.getLogger("loom")
 
 # Bump when what a prepared file holds changes (module tree, layouts, quantisation rules).
-FORMAT = "5"  # 5: w4a8 keeps Q6_K in 6.6 bits a value (low nibbles and top bits)
+FORMAT = "6"  # 6: w4a8 records keep their scales in 16 bits
 # Prepared entries kept on disk (the least recently used beyond these are deleted).
 KEEP = 4
 

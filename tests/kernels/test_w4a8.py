@@ -66,6 +66,44 @@ def test_packing_keeps_the_files_values_bit_for_bit(type_id) -> None:
                        file_values(raw, type_id, rows, cols))
 
 
+@pytest.mark.parametrize("type_id", sorted(BLOCK_BYTES))
+def test_records_keep_extreme_scales_exactly(type_id) -> None:
+    """A record keeps its scales in 16 bits (float16 as the file, MXFP4's power of two as
+    bfloat16): float16 subnormals, its largest value, infinities, and E8M0 from 2^-128 to
+    2^126 and its top code come back as the file's values."""
+    rows, cols = 9, BLOCK_VALUES[type_id] * 2
+    raw = random_blocks(type_id, rows, cols, seed=40 + type_id)
+    blocks = raw.numpy().reshape(-1, BLOCK_BYTES[type_id])
+    if type_id == MXFP4:
+        codes = [0, 1, 2, 3, 100, 126, 127, 200, 253, 254, 255]
+        blocks[:len(codes), 0] = codes
+    else:
+        specials = np.array([0x0001, 0x03FF, 0x0400, 0x7BFF, 0xFBFF, 0x8001, 0x7C00, 0xFC00,
+                             0x0000, 0x8000], dtype=np.uint16)
+        for at in SCALE_AT[type_id]:
+            picked = specials[np.arange(blocks.shape[0]) % len(specials)]
+            blocks[:, at:at + 2] = picked.view(np.uint8).reshape(-1, 2)
+    packed = w4a8_pack(raw, type_id, rows, cols)
+    with np.errstate(all="ignore"):  # infinities times zero: NaN, as in the file's values
+        want = file_values(raw, type_id, rows, cols)
+    torch.testing.assert_close(w4a8_dequantize(packed, type_id, rows, cols), want, rtol=0,
+                               atol=0, equal_nan=True)
+
+
+def test_the_record_sizes_python_states_are_the_kernels() -> None:
+    from loom.kernels import W4A8_TYPES, load_library
+
+    lib = load_library()
+    for type_id, (record_bytes, _) in W4A8_TYPES.items():
+        assert lib.loom_w4a8_record_bytes(type_id) == record_bytes, type_id
+    assert lib.loom_w4a8_record_bytes(10) == -1  # Q2_K: not packed
+    # no record is wider than the file's blocks need beyond its 16-bit scales and Q4_K's
+    # bytes of sc and m (Q5_0 / Q5_1 keep one byte a value)
+    for type_id, extra in {Q4_0: 0, Q4_1: 0, Q8_0: 0, MXFP4: 1, Q6_K: 0, Q4_K: 4}.items():
+        per_column = W4A8_TYPES[type_id][0] // 8
+        assert per_column == BLOCK_BYTES[type_id] + extra, type_id
+
+
 # Stacks of segments of mixed types, as files mix them within a layer (Q4_K_M: Q4_K and
 # Q6_K; their fallbacks: Q5_0 and Q8_0; older files: Q4_0, Q4_1, Q5_1). At most 4 a layer.
 STACKS = {

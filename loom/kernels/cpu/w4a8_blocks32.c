@@ -7,11 +7,14 @@
  * Files store a matrix in these where its rows are not whole super-blocks of 256 (the K-quant
  * fallbacks of Q4_K_M files: Gemma 3 270M's 640-wide q/k/v and gate/up are Q5_0), or all of
  * it (Q4_0, Q8_0 files). One record per group of 8 columns and block of 32 k:
- *   d[8] f32 | m[8] f32 (Q4_1, Q5_1 only) | q
+ *   d[8] 16 bits | m[8] f16 (Q4_1, Q5_1 only) | q
+ * (the scales as w4_scale reads them: the file's float16, MXFP4's power of two as bfloat16)
  * q as Q4_K's lo area of one block for Q4_0, Q4_1 and MXFP4 (128 bytes), else one byte per
  * value (256 bytes, byte t * 32 + c * 4 + i for k = 4 t + i; Q8_0's int8 value + 128).
  * MXFP4's nibbles are its E2M1 codes, read through MXFP4_LUT (the doubled value + 12), and
- * its d the halved E8M0 scale (a power of two). With I the block's sum of stored q * xq
+ * its d the halved E8M0 scale (a power of two). A record is as wide as the file's block for
+ * Q4_0, Q4_1 and Q8_0; MXFP4's is one byte wider (its scale in 16 bits), Q5_0's and Q5_1's
+ * hold a byte a value. With I the block's sum of stored q * xq
  * (exact) and X the plain sum of its int8 activations:
  *
  *   J    = I - offset * X     (offset 8 for Q4_0, 16 for Q5_0, 128 for Q8_0, 12 for MXFP4,
@@ -58,13 +61,13 @@ static inline __attribute__((always_inline)) void w4_tile_b32(
         for (int c = 0; c < C; c++) q[c] = rc[c] + qat;
         w4_block_dots(iacc, q, nibbles, type == W4_Q8_0, w4_b32_lut(type), a, r0, R, C, k, at);
         for (int c = 0; c < C; c++) {
-            const __m256 d = _mm256_loadu_ps((const float *)rc[c]);
+            const __m256 d = w4_scales8(type, rc[c]);
             for (int r = 0; r < R; r++) {
                 const __m256 coef = _mm256_mul_ps(d, _mm256_set1_ps(a->xs[(r0 + r) * nb + b]));
                 acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][c]), coef, acc[r][c]);
             }
             if (INLINE_MINS) {
-                const __m256 m = _mm256_loadu_ps((const float *)(rc[c] + 32));
+                const __m256 m = w4_scales8(type, rc[c] + 16);
                 for (int r = 0; r < R; r++)
                     mins[r][c] = _mm256_fmadd_ps(
                         m, _mm256_set1_ps(a->xsx[(r0 + r) * nb + b]), mins[r][c]);
@@ -74,7 +77,7 @@ static inline __attribute__((always_inline)) void w4_tile_b32(
     /* The m terms of larger tiles, in their own pass over the blocks (in order). */
     for (int c = 0; has_m && !INLINE_MINS && c < C; c++)
         for (int64_t b = 0; b < nb; b++) {
-            const __m256 m = _mm256_loadu_ps((const float *)(w + ((g0 + c) * nb + b) * rec + 32));
+            const __m256 m = w4_scales8(type, w + ((g0 + c) * nb + b) * rec + 16);
             for (int r = 0; r < R; r++)
                 mins[r][c] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->xsx[(r0 + r) * nb + b]),
                                              mins[r][c]);
@@ -204,13 +207,9 @@ static void w4_b32_ref(int64_t type, const W4Act *a, int64_t m, int64_t k, const
                     i32 += q * xq[i];
                     x_sum += xq[i];
                 }
-                float d, mm;
-                memcpy(&d, rc + 4 * c, 4);
+                const float d = w4_scale(type, rc, c);
                 acc = fmaf((float)(i32 - w4_b32_offset(type) * x_sum), d * a->xs[ab], acc);
-                if (w4_b32_has_m(type)) {
-                    memcpy(&mm, rc + 32 + 4 * c, 4);
-                    mins = fmaf(mm, a->xsx[ab], mins);
-                }
+                if (w4_b32_has_m(type)) mins = fmaf(w4_scale(type, rc + 16, c), a->xsx[ab], mins);
             }
             const float v = w4_b32_has_m(type) ? acc + mins : acc;
             y[r * ny + o] = bias ? v + bias[o] : v;
@@ -247,25 +246,24 @@ LOOM_EXPORT void loom_linear_w4a8_ref(const float *x, int64_t m, int64_t k, int6
                     const int64_t s = b / 8, j = b % 8, ab = r * nb + b;
                     const uint8_t *rc = packed[seg] + ((o / COLS) * nsb + s) * rec;
                     const int8_t *xq = a.xq + r * k + b * QBLOCK;
-                    float d;
-                    memcpy(&d, rc + 4 * c, 4);
+                    const float d = w4_scale(type, rc, c);
                     if (w4_has_mins(type)) {
                         int32_t i32 = 0;
                         for (int i = 0; i < 32; i++)
-                            i32 += (type == W4_Q4K
-                                    ? (rc[192 + j * 128 + w4_lo_at(c, i)] >> w4_lo_shift(i)) & 15
-                                    : rc[192 + w4_byte_at(c, (int)(32 * j) + i)]) * xq[i];
-                        float dmin;
-                        memcpy(&dmin, rc + 32 + 4 * c, 4);
-                        const float ds = d * (float)rc[64 + j * 8 + c];
+                            i32 += (type == W4_Q4K ? (rc[W4_KM_Q + j * 128 + w4_lo_at(c, i)] >>
+                                                      w4_lo_shift(i)) & 15
+                                                   : rc[W4_KM_Q + w4_byte_at(c, (int)(32 * j) + i)])
+                                   * xq[i];
+                        const float dmin = w4_scale(type, rc + W4_KM_DMIN, c);
+                        const float ds = d * (float)rc[W4_KM_SC + j * 8 + c];
                         acc = fmaf((float)i32, ds * a.xs[ab], acc);
-                        mins = fmaf(dmin * (float)rc[128 + j * 8 + c], a.xsx[ab], mins);
+                        mins = fmaf(dmin * (float)rc[W4_KM_M + j * 8 + c], a.xsx[ab], mins);
                     } else {
                         int32_t half[2] = {0, 0};
                         for (int i = 0; i < 32; i++)
                             half[i / 16] += w4_q6k_value(rc, c, (int)(32 * j) + i) * xq[i];
-                        const int32_t sa = (int8_t)rc[32 + (2 * j) * 8 + c];
-                        const int32_t sb = (int8_t)rc[32 + (2 * j + 1) * 8 + c];
+                        const int32_t sa = (int8_t)rc[W4_Q6_SC + (2 * j) * 8 + c];
+                        const int32_t sb = (int8_t)rc[W4_Q6_SC + (2 * j + 1) * 8 + c];
                         const int32_t jj = sa * (half[0] - 32 * a.x16[2 * ab]) +
                                            sb * (half[1] - 32 * a.x16[2 * ab + 1]);
                         acc = fmaf((float)jj, d * a.xs[ab], acc);

@@ -28,16 +28,19 @@
  *
  * Packed layout, per group of 8 columns (the last padded with zero weights) and super-block
  * of 256 k, records one after another along k:
- *   Q4_K (1216 bytes): d[8] f32 | dmin[8] f32 | sc[8 blocks][8 cols] u8 | m[8][8] u8 |
+ *   Q4_K (1184 bytes): d[8] f16 | dmin[8] f16 | sc[8 blocks][8 cols] u8 | m[8][8] u8 |
  *                      lo[8 blocks][128]
- *   Q5_K (2240 bytes): as Q4_K's header | q[8 blocks][256]
- *   Q6_K (1696 bytes): d[8] f32 | sc[16 halves][8 cols] i8 | 8 blocks of (lo[128] | hi[64])
+ *   Q5_K (2208 bytes): as Q4_K's header | q[8 blocks][256]
+ *   Q6_K (1680 bytes): d[8] f16 | sc[16 halves][8 cols] i8 | 8 blocks of (lo[128] | hi[64])
+ * The scales are the file's float16 bits (w4_scales8 widens them, exactly, where they are
+ * used): a record is no wider than the file's blocks need (Q6_K 210 bytes a column and
+ * super-block, as the file; Q4_K 148 against 144, its six-bit sc and m a byte each).
  * lo: byte v * 32 + c * 4 + i holds k = 8 v + i (low nibble) and 8 v + 4 + i (high nibble)
  * of the block (Q6_K's four low bits); Q5_K's q one byte each, byte t * 32 + c * 4 + i for
  * k = 4 t + i; hi (Q6_K's top two bits): byte u * 32 + c * 4 + i holds k = 16 u + 4 p + i in
  * bits 2p, 2p + 1.
  *
- * Q6_K holds 6.6 bits a value, 1% above the file's 6.56. Its layers are most of a Q4_K_M
+ * Q6_K holds the file's 6.56 bits a value. Its layers are most of a Q4_K_M
  * model's bytes a token (the experts' down projections, attn_v, the output head), and with
  * VNNI's one-instruction sums the unpacking (an and, a shift and an or per 32 values) keeps
  * a decode step memory-bound; each block's lo and hi are adjacent, so a record is read as
@@ -56,9 +59,16 @@
 #define W4_Q4K 12
 #define W4_Q5K 13
 #define W4_Q6K 14
-#define W4_REC_Q4K 1216
-#define W4_REC_Q5K 2240
-#define W4_REC_Q6K 1696
+#define W4_REC_Q4K 1184
+#define W4_REC_Q5K 2208
+#define W4_REC_Q6K 1680
+/* Where a K-quant record's parts start: Q4_K / Q5_K (d at 0), and Q6_K (d at 0). */
+#define W4_KM_DMIN 16
+#define W4_KM_SC 32
+#define W4_KM_M 96
+#define W4_KM_Q 160
+#define W4_Q6_SC 16
+#define W4_Q6_BLOCKS 144
 
 /* The blocks of 32 (see "w4a8 over blocks of 32" below). */
 static inline int w4_is_b32(int64_t type) {
@@ -83,8 +93,46 @@ static inline int w4_b32_offset(int64_t type) {
 }
 /* A b32 record's stored value q of a nibble or byte (MXFP4's code through its table). */
 static inline int w4_b32_value(int64_t type, int q) { return w4_b32_lut(type) ? MXFP4_LUT[q] : q; }
-/* Where a b32 record's values start (after d[8], and m[8] where the type has one). */
-static inline int64_t w4_b32_q_at(int64_t type) { return w4_b32_has_m(type) ? 64 : 32; }
+/* Where a b32 record's values start (after d[8], and m[8] where the type has one: 16 bits
+ * each). */
+static inline int64_t w4_b32_q_at(int64_t type) { return w4_b32_has_m(type) ? 32 : 16; }
+
+/* A record's scales (d, dmin, m) are 16 bits a column: the file's float16 as it is, or for
+ * MXFP4 the halved E8M0 scale (a power of two, 2^-128 .. 2^126: outside float16's range) as
+ * bfloat16, which holds every power of two in float32's range exactly. Widening either to
+ * float32 is exact, so the arithmetic below sees the same floats as the file's. */
+static inline int w4_scale_bf16(int64_t type) { return type == W4_MXFP4; }
+
+/* Column c's scale of the 8 at p, as float32. */
+static inline float w4_scale(int64_t type, const uint8_t *p, int c) {
+    if (!w4_scale_bf16(type)) return f16_to_f32(p + 2 * c);
+    uint16_t h;
+    memcpy(&h, p + 2 * c, 2);
+    const uint32_t bits = (uint32_t)h << 16;
+    float v;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
+/* The 8 columns' scales at p, as float32 lanes. */
+static inline __m256 w4_scales8(int64_t type, const uint8_t *p) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (!w4_scale_bf16(type)) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* Column c's scale at p from a float32 v that the 16 bits hold exactly (see w4_scale). */
+static inline void w4_store_scale(int64_t type, uint8_t *p, int c, float v) {
+    uint16_t h;
+    if (w4_scale_bf16(type)) {
+        uint32_t bits;
+        memcpy(&bits, &v, 4);
+        h = (uint16_t)(bits >> 16);
+    } else {
+        h = _cvtss_sh(v, 0);
+    }
+    memcpy(p + 2 * c, &h, 2);
+}
 
 static inline int64_t w4_record_bytes(int64_t type) {
     if (w4_is_b32(type))
@@ -95,6 +143,9 @@ static inline int64_t w4_record_bytes(int64_t type) {
 
 /* k a record covers: a super-block of 256, or one block of 32. */
 static inline int64_t w4_record_k(int64_t type) { return w4_is_b32(type) ? QBLOCK : W4_SB; }
+
+/* A record's bytes (-1 for a type w4a8 does not pack): what cpu_ops.W4A8_TYPES states. */
+LOOM_EXPORT int64_t loom_w4a8_record_bytes(int64_t type) { return w4_record_bytes(type); }
 
 /* Types of the form w = d * sc * q - dmin * m (Q4_K, Q5_K): the same record header and the
  * same float arithmetic; their q differ in width and packing. */
@@ -168,7 +219,8 @@ static void w4_pack_q4k(const uint8_t *b, float *d, float *dmin, uint8_t sc[8],
                         uint8_t mn[8], uint8_t *r, int c) {
     *d = f16_to_f32(b), *dmin = f16_to_f32(b + 2);
     k_scale_min(b + 4, sc, mn);
-    for (int j = 0; j < 8; j++) w4_pack_nibbles(b + 16 + 32 * (j / 2), j % 2, r + 192 + j * 128, c);
+    for (int j = 0; j < 8; j++)
+        w4_pack_nibbles(b + 16 + 32 * (j / 2), j % 2, r + W4_KM_Q + j * 128, c);
 }
 
 /* One file Q6_K super-block of one row written into column c of record r: its scales, its
@@ -179,8 +231,8 @@ static void w4_pack_q6k(const uint8_t *b, float *d, uint8_t *r, int c) {
     const uint8_t *ql = b, *qh = b + 128;
     for (int j = 0; j < 8; j++) {
         const int h = j / 4, q = j % 4;
-        w4_pack_nibbles(ql + 64 * h + 32 * (q % 2), q / 2, r + 160 + j * 192, c);
-        uint8_t *hi = r + 288 + j * 192 + c * 4;
+        w4_pack_nibbles(ql + 64 * h + 32 * (q % 2), q / 2, r + W4_Q6_BLOCKS + j * 192, c);
+        uint8_t *hi = r + W4_Q6_BLOCKS + 128 + j * 192 + c * 4;
         for (int u = 0; u < 2; u++) {
             /* Byte i of word p is qh[32 h + 16 u + 4 p + i] (k = 16 u + 4 p + i); its bits
              * 2q, 2q + 1 go to bits 2p, 2p + 1 of hi[u * 32 + i], four bytes at a time (the
@@ -194,7 +246,7 @@ static void w4_pack_q6k(const uint8_t *b, float *d, uint8_t *r, int c) {
             memcpy(hi + u * 32, &bits, 4);
         }
     }
-    for (int s = 0; s < 16; s++) r[32 + s * 8 + c] = b[192 + s];
+    for (int s = 0; s < 16; s++) r[W4_Q6_SC + s * 8 + c] = b[192 + s];
     *d = f16_to_f32(b + 208);
 }
 
@@ -249,8 +301,7 @@ LOOM_EXPORT int64_t loom_w4a8_pack(int64_t type, const uint8_t *raw, int64_t n, 
                     uint8_t *q_area = r + w4_b32_q_at(type);
                     d = type == W4_MXFP4 ? e8m0_half(b[0]) : f16_to_f32(b);
                     if (has_m) {
-                        const float m = f16_to_f32(b + 2);
-                        memcpy(r + 32 + 4 * c, &m, 4);
+                        w4_store_scale(type, r + 16, c, f16_to_f32(b + 2));
                     }
                     if (w4_b32_nibbles(type)) { /* the codes as they are */
                         w4_pack_nibbles16(b + (type == W4_MXFP4 ? 1 : 2 + 2 * has_m), q_area, c);
@@ -274,14 +325,16 @@ LOOM_EXPORT int64_t loom_w4a8_pack(int64_t type, const uint8_t *raw, int64_t n, 
                     } else {
                         uint8_t q[256];
                         w4_decode_q5k(b, &d, &dmin, sc, mn, q);
-                        for (int t = 0; t < 64; t++) memcpy(r + 192 + t * 32 + c * 4, q + 4 * t, 4);
+                        for (int t = 0; t < 64; t++)
+                            memcpy(r + W4_KM_Q + t * 32 + c * 4, q + 4 * t, 4);
                     }
-                    memcpy(r + 32 + 4 * c, &dmin, 4);
-                    for (int j = 0; j < 8; j++) r[64 + j * 8 + c] = sc[j], r[128 + j * 8 + c] = mn[j];
+                    w4_store_scale(type, r + W4_KM_DMIN, c, dmin);
+                    for (int j = 0; j < 8; j++)
+                        r[W4_KM_SC + j * 8 + c] = sc[j], r[W4_KM_M + j * 8 + c] = mn[j];
                 } else {
                     w4_pack_q6k(b, &d, r, c);
                 }
-                memcpy(r + 4 * c, &d, 4);
+                w4_store_scale(type, r, c, d);
             }
         }
     return 0;
@@ -290,8 +343,9 @@ LOOM_EXPORT int64_t loom_w4a8_pack(int64_t type, const uint8_t *raw, int64_t n, 
 /* Q6_K's six-bit value (0..63) of column c, k-in-super-block kk, of one record. */
 static inline int w4_q6k_value(const uint8_t *r, int c, int kk) {
     const int j = kk / 32, i = kk % 32;
-    const int lo = (r[160 + j * 192 + w4_lo_at(c, i)] >> w4_lo_shift(i)) & 15;
-    const int hi = (r[288 + j * 192 + w4_hi_at(c, i)] >> w4_hi_shift(i)) & 3;
+    const uint8_t *block = r + W4_Q6_BLOCKS + j * 192;
+    const int lo = (block[w4_lo_at(c, i)] >> w4_lo_shift(i)) & 15;
+    const int hi = (block[128 + w4_hi_at(c, i)] >> w4_hi_shift(i)) & 3;
     return lo | hi << 4;
 }
 
@@ -299,26 +353,24 @@ static inline int w4_q6k_value(const uint8_t *r, int c, int kk) {
  * operations (dequant_q4_k / dequant_q6_k): the same bits as dequantising the file. */
 static inline float w4_weight(int64_t type, const uint8_t *r, int c, int kk) {
     const int j = kk / 32, i = kk % 32;
-    float d;
-    memcpy(&d, r + 4 * c, 4);
+    const float d = w4_scale(type, r, c);
     if (w4_is_b32(type)) { /* kk < 32: one block a record */
         const int64_t at = w4_b32_q_at(type);
         const int q = w4_b32_value(
             type, w4_b32_nibbles(type) ? (r[at + w4_lo_at(c, kk)] >> w4_lo_shift(kk)) & 15
                                        : r[at + w4_byte_at(c, kk)]);
         if (!w4_b32_has_m(type)) return d * (float)(q - w4_b32_offset(type));
-        float m;
-        memcpy(&m, r + 32 + 4 * c, 4);
-        return d * (float)q + m;
+        return d * (float)q + w4_scale(type, r + 16, c);
     }
     if (w4_has_mins(type)) {
-        float dmin;
-        memcpy(&dmin, r + 32 + 4 * c, 4);
-        const int q = type == W4_Q4K ? (r[192 + j * 128 + w4_lo_at(c, i)] >> w4_lo_shift(i)) & 15
-                                     : r[192 + w4_byte_at(c, kk)];
-        return d * (float)r[64 + j * 8 + c] * (float)q - dmin * (float)r[128 + j * 8 + c];
+        const float dmin = w4_scale(type, r + W4_KM_DMIN, c);
+        const int q = type == W4_Q4K
+                          ? (r[W4_KM_Q + j * 128 + w4_lo_at(c, i)] >> w4_lo_shift(i)) & 15
+                          : r[W4_KM_Q + w4_byte_at(c, kk)];
+        return d * (float)r[W4_KM_SC + j * 8 + c] * (float)q -
+               dmin * (float)r[W4_KM_M + j * 8 + c];
     }
-    const float ds = d * (float)(int8_t)r[32 + (2 * j + i / 16) * 8 + c];
+    const float ds = d * (float)(int8_t)r[W4_Q6_SC + (2 * j + i / 16) * 8 + c];
     return ds * (float)(w4_q6k_value(r, c, kk) - 32);
 }
 
@@ -509,11 +561,11 @@ static inline __attribute__((always_inline)) void w4_tile(
                     for (int c = 0; c < C; c++) iacc[r][c] = _mm256_setzero_si256();
                 const uint8_t *q[W4_MAXC];
                 for (int c = 0; c < C; c++)
-                    q[c] = rc[c] + 192 + j * (type == W4_Q4K ? 128 : 256);
+                    q[c] = rc[c] + W4_KM_Q + j * (type == W4_Q4K ? 128 : 256);
                 w4_block_dots(iacc, q, type == W4_Q4K, 0, 0, a, r0, R, C, k, at);
                 for (int c = 0; c < C; c++) {
-                    const __m256 ds = _mm256_mul_ps(_mm256_loadu_ps((const float *)rc[c]),
-                                                    w4_u8x8(rc[c] + 64 + j * 8));
+                    const __m256 ds = _mm256_mul_ps(w4_scales8(type, rc[c]),
+                                                    w4_u8x8(rc[c] + W4_KM_SC + j * 8));
                     for (int r = 0; r < R; r++) {
                         const int64_t ab = (r0 + r) * nb + b;
                         const __m256 coef = _mm256_mul_ps(ds, _mm256_set1_ps(a->xs[ab]));
@@ -521,8 +573,8 @@ static inline __attribute__((always_inline)) void w4_tile(
                                                     acc[r][c]);
                     }
                     if (INLINE_MINS) {
-                        const __m256 dm = _mm256_mul_ps(_mm256_loadu_ps((const float *)(rc[c] + 32)),
-                                                        w4_u8x8(rc[c] + 128 + j * 8));
+                        const __m256 dm = _mm256_mul_ps(w4_scales8(type, rc[c] + W4_KM_DMIN),
+                                                        w4_u8x8(rc[c] + W4_KM_M + j * 8));
                         for (int r = 0; r < R; r++)
                             mins[r][c] = _mm256_fmadd_ps(
                                 dm, _mm256_set1_ps(a->xsx[(r0 + r) * nb + b]), mins[r][c]);
@@ -538,16 +590,18 @@ static inline __attribute__((always_inline)) void w4_tile(
                 /* VNNI: each half's plain sums (one instruction a step), then the scales. */
                 __m256i ihi[W4_MAXR][W4_MAXC], sc32[W4_MAXC][2];
                 for (int c = 0; c < C; c++) {
-                    sc32[c][0] = w4_i8x8(rc[c] + 32 + 16 * j);
-                    sc32[c][1] = w4_i8x8(rc[c] + 40 + 16 * j);
+                    sc32[c][0] = w4_i8x8(rc[c] + W4_Q6_SC + 16 * j);
+                    sc32[c][1] = w4_i8x8(rc[c] + W4_Q6_SC + 8 + 16 * j);
                 }
 #else
                 /* AVX2: the scales are the int16 multipliers of the pair sums; pair16 holds
                  * each column's (sc_a, sc_b) for the correction. */
                 __m256i scale16[W4_MAXC][2], pair16[W4_MAXC];
                 for (int c = 0; c < C; c++) {
-                    const __m128i sa = _mm_loadl_epi64((const __m128i *)(rc[c] + 32 + 16 * j));
-                    const __m128i sb = _mm_loadl_epi64((const __m128i *)(rc[c] + 40 + 16 * j));
+                    const __m128i sa = _mm_loadl_epi64(
+                        (const __m128i *)(rc[c] + W4_Q6_SC + 16 * j));
+                    const __m128i sb = _mm_loadl_epi64(
+                        (const __m128i *)(rc[c] + W4_Q6_SC + 8 + 16 * j));
                     scale16[c][0] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sa, sa));
                     scale16[c][1] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sb, sb));
                     pair16[c] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sa, sb));
@@ -575,13 +629,14 @@ static inline __attribute__((always_inline)) void w4_tile(
                     __m256i h[W4_MAXC];
                     for (int c = 0; c < C; c++)
                         h[c] = _mm256_loadu_si256(
-                            (const __m256i *)(rc[c] + 288 + j * 192 + u * 32));
+                            (const __m256i *)(rc[c] + W4_Q6_BLOCKS + 128 + j * 192 + u * 32));
 #pragma GCC unroll 2
                     for (int v = 0; v < 2; v++) {
                         __m256i q0[W4_MAXC], q1[W4_MAXC];
                         for (int c = 0; c < C; c++) {
                             const __m256i raw = _mm256_loadu_si256(
-                                (const __m256i *)(rc[c] + 160 + j * 192 + (2 * u + v) * 32));
+                                (const __m256i *)(rc[c] + W4_Q6_BLOCKS + j * 192 +
+                                                  (2 * u + v) * 32));
                             const __m256i h0 = v ? h[c] : _mm256_slli_epi16(h[c], 4);
                             const __m256i h1 = v ? _mm256_srli_epi16(h[c], 2)
                                                  : _mm256_slli_epi16(h[c], 2);
@@ -618,7 +673,7 @@ static inline __attribute__((always_inline)) void w4_tile(
                                                       _mm256_mullo_epi32(sc32[c][1], ihi[r][c]));
 #endif
                 for (int c = 0; c < C; c++) {
-                    const __m256 d = _mm256_loadu_ps((const float *)rc[c]);
+                    const __m256 d = w4_scales8(type, rc[c]);
                     for (int r = 0; r < R; r++) {
                         const int64_t ab = (r0 + r) * nb + b;
 #if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
@@ -642,9 +697,9 @@ static inline __attribute__((always_inline)) void w4_tile(
     for (int c = 0; w4_has_mins(type) && !INLINE_MINS && c < C; c++) {
         for (int64_t s = 0; s < nsb; s++) {
             const uint8_t *rcs = w + ((g0 + c) * nsb + s) * rec;
-            const __m256 dmin = _mm256_loadu_ps((const float *)(rcs + 32));
+            const __m256 dmin = w4_scales8(type, rcs + W4_KM_DMIN);
             for (int j = 0; j < 8; j++) {
-                const __m256 dm = _mm256_mul_ps(dmin, w4_u8x8(rcs + 128 + j * 8));
+                const __m256 dm = _mm256_mul_ps(dmin, w4_u8x8(rcs + W4_KM_M + j * 8));
                 for (int r = 0; r < R; r++)
                     mins[r][c] = _mm256_fmadd_ps(
                         dm, _mm256_set1_ps(a->xsx[(r0 + r) * nb + s * 8 + j]), mins[r][c]);
