@@ -98,7 +98,7 @@ static inline int w4_b32_value(int64_t type, int q) { return w4_b32_lut(type) ? 
 static inline int64_t w4_b32_q_at(int64_t type) { return w4_b32_has_m(type) ? 32 : 16; }
 
 /* A record's scales (d, dmin, m) are 16 bits a column: the file's float16 as it is, or for
- * MXFP4 the halved E8M0 scale (a power of two, 2^-128 .. 2^126: outside float16's range) as
+ * MXFP4 the halved E8M0 scale (a power of two, 2^-128 .. 2^127: outside float16's range) as
  * bfloat16, which holds every power of two in float32's range exactly. Widening either to
  * float32 is exact, so the arithmetic below sees the same floats as the file's. */
 static inline int w4_scale_bf16(int64_t type) { return type == W4_MXFP4; }
