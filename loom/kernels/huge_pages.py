@@ -35,7 +35,8 @@ _OWN_MAPPING_BYTES = CHUNK_BYTES // 4
 _ALIGNMENT = 64
 
 
-def _round_up(n: int, to: int) -> int:
+def round_up(n: int, to: int) -> int:
+    """n rounded up to a multiple of `to`."""
     return -(-n // to) * to
 
 
@@ -43,7 +44,7 @@ def huge_page_mapping(nbytes: int) -> tuple[mmap.mmap, int]:
     """A private anonymous mapping advised MADV_HUGEPAGE, and the offset in it of the first
     huge page boundary, with at least `nbytes` from there to its end. Nothing is resident
     until written."""
-    length = _round_up(nbytes, HUGE_PAGE_BYTES) + HUGE_PAGE_BYTES
+    length = round_up(nbytes, HUGE_PAGE_BYTES) + HUGE_PAGE_BYTES
     if hasattr(mmap, "MAP_ANONYMOUS"):  # private: Python's default, shared memory, gets
         # huge pages on Linux only where shmem_enabled allows them
         mapping = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -92,7 +93,7 @@ class HugePageArena:
                 self._end = self._next + self._chunk_bytes
                 self._chunk = weakref.ref(chunk)
             start = self._next
-            self._next = _round_up(start + nbytes, _ALIGNMENT)
+            self._next = round_up(start + nbytes, _ALIGNMENT)
             return _tensor_at(chunk, start, shape)
 
 

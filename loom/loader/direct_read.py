@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loom.kernels.huge_pages import HUGE_PAGE_BYTES, huge_page_mapping
+from loom.kernels.huge_pages import HUGE_PAGE_BYTES, huge_page_mapping, round_up
 
 # O_DIRECT transfers start and end on the device's logical blocks, and their memory on
 # such a boundary too; a page is a multiple of every block size Linux supports.
@@ -32,10 +32,6 @@ _ALIGN = mmap.PAGESIZE
 # (in whole huge pages); a larger one would keep memory that data held for long, such as
 # blocks a model keeps, does not use.
 _MIN_USE = 0.75
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
 
 
 class ReusedBuffers:
@@ -56,7 +52,7 @@ class ReusedBuffers:
     def lease(self, nbytes: int) -> np.ndarray:
         """A writable uint8 array of `nbytes`, starting on an `_ALIGN` boundary; its memory
         returns to the pool when the array and every view of it are gone."""
-        need = _round_up(max(nbytes, 1), HUGE_PAGE_BYTES)
+        need = round_up(max(nbytes, 1), HUGE_PAGE_BYTES)
         with self._lock:
             fits = [entry for entry in self._free
                     if need <= entry[0] and need >= entry[0] * _MIN_USE]
@@ -113,7 +109,7 @@ class DirectFile:
         caller reads it another way)."""
         first = offset - offset % _ALIGN
         wanted = offset + nbytes - first  # from `first` to the last byte asked for
-        buffer = self._buffers.lease(_round_up(wanted, _ALIGN))
+        buffer = self._buffers.lease(round_up(wanted, _ALIGN))
         done = 0
         try:
             while done < wanted:

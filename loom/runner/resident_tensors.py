@@ -74,14 +74,14 @@ def read_resident(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     for name, entry in entries.items():
         dtype = DTYPES.get(entry["dtype"])
         if dtype is None:
-            raise InvalidModelError(f"tensor {name!r} has dtype {entry['dtype']}, which Loom "
-                             "does not store")
+            raise InvalidModelError(f"tensor {name!r} has dtype {entry['dtype']}, which "
+                                    "Loom does not store")
         start, end = entry["data_offsets"]
         shape = tuple(entry["shape"])
         nbytes = end - start
         if nbytes != math.prod(shape) * dtype.itemsize or data_at + end > file_bytes:
-            raise InvalidModelError(f"tensor {name!r}: offsets {start}-{end} do not hold its "
-                             f"shape {list(shape)} within the file")
+            raise InvalidModelError(f"tensor {name!r}: offsets {start}-{end} do not hold "
+                                    f"its shape {list(shape)} within the file")
         raw = (PACKED_WEIGHTS.empty((nbytes,)) if nbytes >= SMALL_BYTES
                else torch.empty(nbytes, dtype=torch.uint8))
         tensors[name] = raw.view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)

@@ -121,16 +121,18 @@ static inline __m256 w4_scales8(int64_t type, const uint8_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* Column c's scale at p from a float32 v that the 16 bits hold exactly (see w4_scale). */
-static inline void w4_store_scale(int64_t type, uint8_t *p, int c, float v) {
-    uint16_t h;
-    if (w4_scale_bf16(type)) {
-        uint32_t bits;
-        memcpy(&bits, &v, 4);
-        h = (uint16_t)(bits >> 16);
-    } else {
-        h = _cvtss_sh(v, 0);
-    }
+/* Column c's scale at p: the file's float16 bits at `half`, as they are. */
+static inline void w4_copy_scale(uint8_t *p, int c, const uint8_t *half) {
+    memcpy(p + 2 * c, half, 2);
+}
+
+/* Column c's scale at p from MXFP4's E8M0 byte e: the halved scale as bfloat16, the top half
+ * of its float32 (whose low 16 bits are 0: a power of two). */
+static inline void w4_store_e8m0(uint8_t *p, int c, uint8_t e) {
+    const float v = e8m0_half(e);
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    const uint16_t h = (uint16_t)(bits >> 16);
     memcpy(p + 2 * c, &h, 2);
 }
 
@@ -212,12 +214,10 @@ static inline void w4_pack_q5_block(const uint8_t *qs, uint32_t qh, uint8_t *q_a
     }
 }
 
-/* The scales of one file Q4_K super-block of one row, and its nibbles written into column
- * c's lo areas of record r. Blocks 2p and 2p + 1 are the low and high nibbles of the same 32
- * file bytes (q4_k_value). */
-static void w4_pack_q4k(const uint8_t *b, float *d, float *dmin, uint8_t sc[8],
-                        uint8_t mn[8], uint8_t *r, int c) {
-    *d = f16_to_f32(b), *dmin = f16_to_f32(b + 2);
+/* The six-bit scales of one file Q4_K super-block of one row, and its nibbles written into
+ * column c's lo areas of record r. Blocks 2p and 2p + 1 are the low and high nibbles of the
+ * same 32 file bytes (q4_k_value). */
+static void w4_pack_q4k(const uint8_t *b, uint8_t sc[8], uint8_t mn[8], uint8_t *r, int c) {
     k_scale_min(b + 4, sc, mn);
     for (int j = 0; j < 8; j++)
         w4_pack_nibbles(b + 16 + 32 * (j / 2), j % 2, r + W4_KM_Q + j * 128, c);
@@ -227,7 +227,7 @@ static void w4_pack_q4k(const uint8_t *b, float *d, float *dmin, uint8_t sc[8],
  * low nibbles (block j = 4 h + q of the half h: the low (q < 2) or high nibbles of file bytes
  * ql[64 h + 32 (q % 2) ..], q6_k_value) and its top two bits (bits 2q, 2q + 1 of qh[32 h + l]
  * for k = l of the block), in the layout above. */
-static void w4_pack_q6k(const uint8_t *b, float *d, uint8_t *r, int c) {
+static void w4_pack_q6k(const uint8_t *b, uint8_t *r, int c) {
     const uint8_t *ql = b, *qh = b + 128;
     for (int j = 0; j < 8; j++) {
         const int h = j / 4, q = j % 4;
@@ -247,7 +247,7 @@ static void w4_pack_q6k(const uint8_t *b, float *d, uint8_t *r, int c) {
         }
     }
     for (int s = 0; s < 16; s++) r[W4_Q6_SC + s * 8 + c] = b[192 + s];
-    *d = f16_to_f32(b + 208);
+    w4_copy_scale(r, c, b + 208);
 }
 
 /* Q5_K's five-bit value of element o of a block: the four low bits as Q4_K's, the fifth is
@@ -258,9 +258,7 @@ static inline int q5_k_value(const uint8_t *b, int o) {
     return ((qs[32 * (g / 2) + i] >> (4 * (g % 2))) & 0x0F) | (((qh[i] >> g) & 1) << 4);
 }
 
-static void w4_decode_q5k(const uint8_t *b, float *d, float *dmin, uint8_t sc[8],
-                          uint8_t mn[8], uint8_t q[256]) {
-    *d = f16_to_f32(b), *dmin = f16_to_f32(b + 2);
+static void w4_decode_q5k(const uint8_t *b, uint8_t sc[8], uint8_t mn[8], uint8_t q[256]) {
     k_scale_min(b + 4, sc, mn);
     for (int o = 0; o < 256; o++) q[o] = (uint8_t)q5_k_value(b, o);
 }
@@ -295,14 +293,14 @@ LOOM_EXPORT int64_t loom_w4a8_pack(int64_t type, const uint8_t *raw, int64_t n, 
             memset(r, 0, (size_t)rec); /* the columns past n stay 0 (the others are stored) */
             for (int c = 0; c < COLS && g * COLS + c < n; c++) {
                 const uint8_t *b = raw + ((g * COLS + c) * nsb + s) * src_bytes;
-                float d;
                 if (w4_is_b32(type)) {
                     const int has_m = w4_b32_has_m(type);
                     uint8_t *q_area = r + w4_b32_q_at(type);
-                    d = type == W4_MXFP4 ? e8m0_half(b[0]) : f16_to_f32(b);
-                    if (has_m) {
-                        w4_store_scale(type, r + 16, c, f16_to_f32(b + 2));
-                    }
+                    if (type == W4_MXFP4)
+                        w4_store_e8m0(r, c, b[0]);
+                    else
+                        w4_copy_scale(r, c, b);
+                    if (has_m) w4_copy_scale(r + 16, c, b + 2);
                     if (w4_b32_nibbles(type)) { /* the codes as they are */
                         w4_pack_nibbles16(b + (type == W4_MXFP4 ? 1 : 2 + 2 * has_m), q_area, c);
                     } else if (type == W4_Q8_0) { /* int8 + 128: the top bit flipped */
@@ -319,22 +317,21 @@ LOOM_EXPORT int64_t loom_w4a8_pack(int64_t type, const uint8_t *raw, int64_t n, 
                     }
                 } else if (w4_has_mins(type)) {
                     uint8_t sc[8], mn[8];
-                    float dmin;
                     if (type == W4_Q4K) {
-                        w4_pack_q4k(b, &d, &dmin, sc, mn, r, c);
+                        w4_pack_q4k(b, sc, mn, r, c);
                     } else {
                         uint8_t q[256];
-                        w4_decode_q5k(b, &d, &dmin, sc, mn, q);
+                        w4_decode_q5k(b, sc, mn, q);
                         for (int t = 0; t < 64; t++)
                             memcpy(r + W4_KM_Q + t * 32 + c * 4, q + 4 * t, 4);
                     }
-                    w4_store_scale(type, r + W4_KM_DMIN, c, dmin);
+                    w4_copy_scale(r, c, b);
+                    w4_copy_scale(r + W4_KM_DMIN, c, b + 2);
                     for (int j = 0; j < 8; j++)
                         r[W4_KM_SC + j * 8 + c] = sc[j], r[W4_KM_M + j * 8 + c] = mn[j];
                 } else {
-                    w4_pack_q6k(b, &d, r, c);
+                    w4_pack_q6k(b, r, c);
                 }
-                w4_store_scale(type, r, c, d);
             }
         }
     return 0;
